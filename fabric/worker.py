@@ -1,0 +1,93 @@
+"""What runs inside each Ray Train worker: data shard in, stage recipe, checkpoints out."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+import ray.train
+
+# The HF checkpoint folder inside a Ray checkpoint (RayTrainReportCallback's layout).
+RAY_CKPT_SUBDIR = "checkpoint"
+
+
+@dataclass
+class WorkerPayload:
+    """The typed config slices a worker needs; pickled once by Ray Train."""
+
+    model_args: Any
+    data_args: Any
+    finetuning_args: Any
+    training_options: Any  # stages.args.TrainingOptions (built into real arguments on the worker)
+    has_eval: bool = False
+    resume_from_checkpoint: Optional[str] = None
+    callbacks: list = field(default_factory=list)
+
+
+def train_loop(config: dict) -> None:
+    """Ray Train's train_loop_per_worker."""
+    from ray.train.huggingface.transformers import RayTrainReportCallback, prepare_trainer
+
+    from stages.job import StageJob
+    from stages.registry import get_stage_runner
+
+    from .ray_session import quiet_ray_data
+
+    payload: WorkerPayload = config["payload"]
+    quiet_ray_data()
+    _limit_threads()
+
+    train = shard_to_hf_dataset("train")
+    evaluation = shard_to_hf_dataset("eval") if payload.has_eval else None
+    training_args = payload.training_options.build()
+    job = StageJob(
+        model_args=payload.model_args,
+        data_args=payload.data_args,
+        finetuning_args=payload.finetuning_args,
+        training_args=training_args,
+        train_dataset=train,
+        eval_dataset=evaluation,
+        callbacks=[RayTrainReportCallback(), *payload.callbacks],
+        resume_from_checkpoint=_resume_point(payload),
+        prepare_trainer=prepare_trainer,
+    )
+    metrics = get_stage_runner(payload.finetuning_args.stage)(job)
+    ray.train.report({k: v for k, v in metrics.items() if isinstance(v, (int, float))})
+
+
+def shard_to_hf_dataset(name: str):
+    """Every worker receives the whole tokenized dataset; the Trainer's distributed sampler picks
+    this rank's share. That keeps batches identical for any worker count and lets a resumed run
+    skip exactly the batches it already saw."""
+    import datasets
+    import pyarrow as pa
+
+    shard = ray.train.get_dataset_shard(name)
+    tables = [batch for batch in shard.iter_batches(batch_size=4096, batch_format="pyarrow")]
+    return datasets.Dataset(pa.concat_tables(tables)) if tables else datasets.Dataset.from_dict({})
+
+
+def _resume_point(payload: WorkerPayload) -> Optional[str]:
+    """A restarted worker group resumes from Ray's last reported checkpoint; otherwise the user's
+    ``resume_from_checkpoint`` (a path, or true for the latest one in output_dir)."""
+    checkpoint = ray.train.get_checkpoint()
+    if checkpoint is not None:
+        local = checkpoint.to_directory()
+        nested = os.path.join(local, RAY_CKPT_SUBDIR)
+        return nested if os.path.isdir(nested) else local
+    resume = payload.resume_from_checkpoint
+    if resume in (True, "true", "True"):
+        from transformers.trainer_utils import get_last_checkpoint
+
+        return get_last_checkpoint(payload.training_options.output_dir)
+    return resume or None
+
+
+def _limit_threads() -> None:
+    """Ray sets OMP_NUM_THREADS to the worker's CPU share; torch reads it only at start-up."""
+    import torch
+
+    threads = int(os.environ.get("OMP_NUM_THREADS", "0") or 0)
+    if threads > 0:
+        torch.set_num_threads(threads)

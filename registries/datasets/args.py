@@ -1,0 +1,161 @@
+"""DataArguments: the data half of a training config, with LLaMA-Factory's names and defaults.
+
+A LLaMA-Factory YAML's data keys load unchanged. Values arrive from YAML or the command line,
+so list-valued options also accept LLaMA-Factory's comma-separated strings. There is no seed
+here on purpose: shuffling, sampling and splitting take the run's seed as an argument.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, fields
+from typing import Any
+
+from .errors import DataConfigError
+
+MIX_STRATEGIES = ("concat", "interleave_under", "interleave_over")
+
+
+@dataclass
+class DataArguments:
+    template: str | None = None
+    dataset: list[str] | None = None  # names in dataset_info.json; "a,b" is accepted
+    eval_dataset: list[str] | None = None
+    dataset_dir: str = "data"
+    cutoff_len: int = 2048
+    train_on_prompt: bool = False
+    mask_history: bool = False
+    mix_strategy: str = "concat"
+    interleave_probs: list[float] | None = None
+    max_samples: int | None = None  # per dataset, after num_samples
+    val_size: float = 0.0  # a fraction in (0, 1) or a row count >= 1
+    packing: bool | None = None  # None: the stage decides (pt packs, the others do not)
+    neat_packing: bool = False
+    tool_format: str | None = None
+    default_system: str | None = None
+    enable_thinking: bool | None = True
+    tokenized_path: str | None = None
+    overwrite_cache: bool = False
+    # RayFactory's own: drop malformed rows (and report them) instead of stopping at the first.
+    skip_bad_rows: bool = False
+
+    def __post_init__(self) -> None:
+        self.dataset = _name_list("dataset", self.dataset)
+        self.eval_dataset = _name_list("eval_dataset", self.eval_dataset)
+        for name in ("train_on_prompt", "mask_history", "neat_packing", "overwrite_cache", "skip_bad_rows"):
+            _check_bool(name, getattr(self, name))
+        for name in ("packing", "enable_thinking"):
+            if getattr(self, name) is not None:
+                _check_bool(name, getattr(self, name))
+        for name in ("template", "tool_format", "default_system", "tokenized_path"):
+            if getattr(self, name) is not None and not isinstance(getattr(self, name), str):
+                _fail(name, getattr(self, name), "a string")
+        if not isinstance(self.dataset_dir, str) or not self.dataset_dir:
+            _fail("dataset_dir", self.dataset_dir, "a folder path (it holds dataset_info.json)")
+        if not _is_int(self.cutoff_len) or self.cutoff_len <= 0:
+            _fail("cutoff_len", self.cutoff_len, "a positive integer (the maximum tokens per example)")
+        if self.max_samples is not None and (not _is_int(self.max_samples) or self.max_samples <= 0):
+            _fail("max_samples", self.max_samples, "a positive integer, or null for all rows")
+        self._check_val_size()
+        self._check_mixing()
+        if self.mask_history and self.train_on_prompt:
+            raise DataConfigError(
+                "Data arguments: mask_history and train_on_prompt cannot both be true: mask_history "
+                "trains only on the last response, train_on_prompt trains on every token. Set one to false."
+            )
+        if self.neat_packing:
+            if self.packing is False:
+                raise DataConfigError(
+                    "Data arguments: neat_packing: true needs packing, but packing is false. "
+                    "Remove packing: false (neat_packing turns packing on)."
+                )
+            self.packing = True
+
+    def _check_val_size(self) -> None:
+        v = self.val_size
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or v < 0 or math.isnan(v):
+            _fail("val_size", v, "a fraction in (0, 1) or a row count >= 1 (0 for no validation split)")
+        if 1 < v and not float(v).is_integer():
+            _fail("val_size", v, "a fraction in (0, 1) or a whole row count >= 1")
+        if v == 1 and isinstance(v, float):
+            _fail("val_size", v, "a fraction below 1 (1.0 would leave nothing to train on); for one row write 1")
+        if v > 0 and self.dataset is None:
+            raise DataConfigError("Data arguments: val_size is set but no dataset is given to split. Set dataset.")
+        if v > 0 and self.eval_dataset is not None:
+            raise DataConfigError(
+                "Data arguments: val_size and eval_dataset are both set; the validation set would be "
+                "ambiguous. Use one: val_size to split the training data, or eval_dataset."
+            )
+
+    def _check_mixing(self) -> None:
+        if self.mix_strategy not in MIX_STRATEGIES:
+            _fail("mix_strategy", self.mix_strategy, f"one of {', '.join(MIX_STRATEGIES)}")
+        if self.interleave_probs is None:
+            return
+        if self.mix_strategy == "concat":
+            raise DataConfigError(
+                "Data arguments: interleave_probs is set but mix_strategy is 'concat', which does not "
+                "sample. Set mix_strategy to interleave_under or interleave_over, or remove interleave_probs."
+            )
+        probs = self.interleave_probs
+        if isinstance(probs, str):
+            probs = [p.strip() for p in probs.split(",")]
+        try:
+            probs = [float(p) for p in probs]
+        except (TypeError, ValueError):
+            _fail("interleave_probs", self.interleave_probs, "numbers, e.g. '0.7,0.3' or [0.7, 0.3]")
+        if any(p <= 0 or math.isnan(p) for p in probs) or abs(sum(probs) - 1.0) > 1e-6:
+            _fail("interleave_probs", self.interleave_probs, "positive numbers that sum to 1")
+        for name in ("dataset", "eval_dataset"):
+            names = getattr(self, name)
+            if names is not None and len(names) != len(probs):
+                raise DataConfigError(
+                    f"Data arguments: interleave_probs has {len(probs)} values but {name} names "
+                    f"{len(names)} datasets ({', '.join(names)}). Give one probability per dataset."
+                )
+        self.interleave_probs = probs
+
+    @classmethod
+    def field_names(cls) -> list[str]:
+        return [f.name for f in fields(cls)]
+
+    @classmethod
+    def from_dict(cls, values: dict[str, Any]) -> "DataArguments":
+        """Build from a config mapping that holds only data keys; unknown keys are an error."""
+        known = set(cls.field_names())
+        unknown = sorted(k for k in values if k not in known)
+        if unknown:
+            raise DataConfigError(
+                f"Data arguments: unknown option(s) {', '.join(unknown)}. Known options: {', '.join(sorted(known))}."
+            )
+        return cls(**values)
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def _name_list(option: str, value: Any) -> list[str] | None:
+    if value is None:
+        return None
+    given = value
+    if isinstance(value, str):
+        value = value.split(",")
+    if not isinstance(value, (list, tuple)) or not all(isinstance(v, str) for v in value):
+        _fail(option, given, "dataset names: a comma-separated string or a list of strings")
+    names = [v.strip() for v in value]
+    if not names or any(not n for n in names):
+        _fail(option, given, "non-empty dataset names (check for a stray comma)")
+    return names
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _check_bool(option: str, value: Any) -> None:
+    if not isinstance(value, bool):
+        _fail(option, value, "true or false")
+
+
+def _fail(option: str, value: Any, expected: str) -> None:
+    raise DataConfigError(f"Data arguments: {option} is {value!r}; expected {expected}.")

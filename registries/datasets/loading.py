@@ -1,0 +1,60 @@
+"""The whole data path in one process: names -> checked attrs -> rows -> aligned -> mixed -> split.
+
+The Ray layer runs the same steps distributed (read_table -> map_batches(align_batch) -> mix
+and split plans); this in-process version serves tests, small runs and the web UI preview.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import Any
+
+from .aligner import align_rows, skip_report
+from .args import DataArguments
+from .errors import DataConfigError, DatasetRowError
+from .info import DatasetAttr, get_dataset_attrs
+from .mixing import mix, train_val_split
+from .readers import read_rows
+from .stage_fields import check_stage_fields
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class LoadedData:
+    train: list[dict[str, Any]]
+    eval: list[dict[str, Any]]
+    skipped: list[DatasetRowError] = field(default_factory=list)
+
+
+def load_aligned(args: DataArguments, stage: str, seed: int = 42) -> LoadedData:
+    train_attrs = get_dataset_attrs(args.dataset, args.dataset_dir)
+    eval_attrs = get_dataset_attrs(args.eval_dataset, args.dataset_dir)
+    check_stage_fields(train_attrs + eval_attrs, stage)  # fail before reading anything
+
+    skipped: list[DatasetRowError] = []
+    train = _load_mixed(train_attrs, args, seed, skipped)
+    evaluation = _load_mixed(eval_attrs, args, seed, skipped)
+    if args.val_size > 0:
+        train, evaluation = train_val_split(train, args.val_size, seed)
+    return LoadedData(train, evaluation, skipped)
+
+
+def load_one(attr: DatasetAttr, args: DataArguments, seed: int, skipped: list[DatasetRowError]) -> list[dict[str, Any]]:
+    rows = read_rows(attr, args.max_samples, seed)
+    result = align_rows(rows, attr, args.skip_bad_rows)
+    if result.skipped:
+        skipped += result.skipped
+        logger.warning("Dataset %r: %s", attr.name, skip_report(result.skipped, len(rows)))
+    if rows and not result.examples:
+        raise DataConfigError(
+            f"Dataset {attr.name!r}: all {len(rows)} rows were bad and skipped, e.g. {result.skipped[0].short}. "
+            f"Check its entry in {attr.info_path} (formatting, columns, tags)."
+        )
+    return result.examples
+
+
+def _load_mixed(attrs: list[DatasetAttr], args: DataArguments, seed: int, skipped: list) -> list[dict[str, Any]]:
+    parts = [load_one(attr, args, seed, skipped) for attr in attrs]
+    return mix(parts, args.mix_strategy, args.interleave_probs, seed) if parts else []

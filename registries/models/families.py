@@ -1,0 +1,275 @@
+"""Model families: the facts RayFactory needs about each architecture it trains.
+
+One ``register_model_family`` call per family. A family says which transformers config class
+and ``model_type`` strings it covers, which chat template it uses by default (LLaMA-Factory's
+template names, so existing YAML files keep working), which special tokens its tokenizer has
+and which linear layers LoRA should target.
+
+Token facts describe the *instruct* checkpoints (e.g. Qwen2's eos is ``<|im_end|>``, not the
+base model's ``<|endoftext|>``), because those are what chat fine-tuning starts from; the
+templates re-point eos where a family needs it anyway (``replace_eos``).
+"""
+
+from __future__ import annotations
+
+import difflib
+from dataclasses import dataclass, field
+from typing import Any, Mapping, Sequence
+
+# Every projection of the attention block and the gated MLP: the usual "all linear" target set.
+ATTENTION_AND_MLP = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+@dataclass(frozen=True)
+class ModelFamily:
+    name: str
+    config_class: str  # transformers class name, e.g. "Qwen2Config"
+    model_types: tuple[str, ...]  # config.model_type values this family covers
+    template: str  # default chat template name (LLaMA-Factory's naming)
+    eos_token: str
+    bos_token: str | None = None
+    pad_token: str | None = None  # None: the family ships without one (the template step sets it)
+    unk_token: str | None = None
+    add_bos: bool = False  # whether encoding a text prepends bos (llama3, mistral, gemma do)
+    chat_tokens: tuple[str, ...] = ()  # special markers: never split, dropped by skip_special_tokens
+    plain_tokens: tuple[str, ...] = ()  # single-id tokens that stay visible in decoded text (<think>)
+    lora_targets: tuple[str, ...] = ATTENTION_AND_MLP
+    notes: str = field(default="", compare=False)
+
+    @property
+    def special_tokens(self) -> tuple[str, ...]:
+        """bos/eos/pad/unk and the chat markers, each once, in a fixed order (ids follow it)."""
+        ordered = [self.bos_token, self.eos_token, self.pad_token, self.unk_token, *self.chat_tokens]
+        return tuple(dict.fromkeys(t for t in ordered if t))
+
+
+MODEL_FAMILIES: dict[str, ModelFamily] = {}
+_BY_MODEL_TYPE: dict[str, ModelFamily] = {}
+
+
+def register_model_family(
+    name: str,
+    *,
+    config_class: str,
+    model_types: Sequence[str],
+    template: str,
+    eos_token: str,
+    bos_token: str | None = None,
+    pad_token: str | None = None,
+    unk_token: str | None = None,
+    add_bos: bool = False,
+    chat_tokens: Sequence[str] = (),
+    plain_tokens: Sequence[str] = (),
+    lora_targets: Sequence[str] = ATTENTION_AND_MLP,
+    notes: str = "",
+) -> ModelFamily:
+    """Declare one family. A name or a model_type that is already taken is an error."""
+    if name in MODEL_FAMILIES:
+        raise ValueError(f"Model family {name!r} is already registered.")
+    if not model_types:
+        raise ValueError(f"Model family {name!r} must list at least one model_type.")
+    for model_type in model_types:
+        if model_type in _BY_MODEL_TYPE:
+            owner = _BY_MODEL_TYPE[model_type].name
+            raise ValueError(f"model_type {model_type!r} of family {name!r} is already claimed by family {owner!r}.")
+    if add_bos and not bos_token:
+        raise ValueError(f"Model family {name!r} sets add_bos but has no bos_token.")
+    if not lora_targets:
+        raise ValueError(f"Model family {name!r} must name its LoRA target modules.")
+    overlap = set(chat_tokens) & set(plain_tokens)
+    if overlap:
+        raise ValueError(f"Model family {name!r} lists {sorted(overlap)} as both chat and plain tokens.")
+    family = ModelFamily(
+        name=name,
+        config_class=config_class,
+        model_types=tuple(model_types),
+        template=template,
+        eos_token=eos_token,
+        bos_token=bos_token,
+        pad_token=pad_token,
+        unk_token=unk_token,
+        add_bos=add_bos,
+        chat_tokens=tuple(chat_tokens),
+        plain_tokens=tuple(plain_tokens),
+        lora_targets=tuple(lora_targets),
+        notes=notes,
+    )
+    MODEL_FAMILIES[name] = family
+    for model_type in family.model_types:
+        _BY_MODEL_TYPE[model_type] = family
+    return family
+
+
+def get_model_family(name: str) -> ModelFamily:
+    if name not in MODEL_FAMILIES:
+        raise ValueError(f"Unknown model family {name!r}.{_did_you_mean(name, MODEL_FAMILIES)} "
+                         f"Known families: {', '.join(sorted(MODEL_FAMILIES))}.")
+    return MODEL_FAMILIES[name]
+
+
+def list_model_families() -> list[str]:
+    return sorted(MODEL_FAMILIES)
+
+
+def family_for_model_type(model_type: str) -> ModelFamily:
+    if model_type not in _BY_MODEL_TYPE:
+        raise ValueError(
+            f"No model family knows model_type {model_type!r}.{_did_you_mean(model_type, _BY_MODEL_TYPE)} "
+            f"Known model types: {', '.join(sorted(_BY_MODEL_TYPE))}. Set `template:` in your YAML "
+            f"explicitly (and `lora_target:` for LoRA) to train this model anyway."
+        )
+    return _BY_MODEL_TYPE[model_type]
+
+
+def family_for_config(config: Any) -> ModelFamily:
+    """The family of a transformers config (or its dict form, or a bare model_type string)."""
+    if isinstance(config, str):
+        model_type = config
+    elif isinstance(config, Mapping):
+        model_type = config.get("model_type")
+    else:
+        model_type = getattr(config, "model_type", None)
+    if not model_type:
+        raise ValueError(
+            f"Cannot tell the model family: the config ({type(config).__name__}) has no model_type. "
+            f"Check that config.json in the model folder has a \"model_type\" field."
+        )
+    return family_for_model_type(model_type)
+
+
+def default_template_for(model_type: str) -> str:
+    """The chat template a model of this type uses when the YAML names none."""
+    return family_for_model_type(model_type).template
+
+
+def _did_you_mean(name: str, known) -> str:
+    close = difflib.get_close_matches(name, list(known), n=3, cutoff=0.6)
+    return f" Did you mean {', '.join(repr(c) for c in close)}?" if close else ""
+
+
+# ------------------------------------------------------------------------------ the families
+
+_LLAMA3_MARKERS = (
+    "<|begin_of_text|>",
+    "<|end_of_text|>",
+    "<|start_header_id|>",
+    "<|end_header_id|>",
+    "<|eot_id|>",
+    "<|eom_id|>",
+    "<|python_tag|>",
+    "<|finetune_right_pad_id|>",
+)
+_CHATML_MARKERS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
+_GEMMA_MARKERS = ("<start_of_turn>", "<end_of_turn>")
+
+register_model_family(
+    "llama",
+    config_class="LlamaConfig",
+    model_types=["llama"],
+    template="llama3",
+    bos_token="<|begin_of_text|>",
+    eos_token="<|eot_id|>",
+    add_bos=True,
+    chat_tokens=_LLAMA3_MARKERS,
+    notes="Tokens are Llama 3's; Llama 2 (template llama2) and SmolLM2 (chatml) share model_type "
+    "llama, so name their template explicitly.",
+)
+
+register_model_family(
+    "qwen2",
+    config_class="Qwen2Config",
+    model_types=["qwen2"],
+    template="qwen",
+    eos_token="<|im_end|>",
+    pad_token="<|endoftext|>",
+    chat_tokens=_CHATML_MARKERS,
+    plain_tokens=("<tool_call>", "</tool_call>"),
+    notes="Qwen2 and Qwen2.5 (instruct eos; base checkpoints end texts with <|endoftext|>).",
+)
+
+register_model_family(
+    "qwen3",
+    config_class="Qwen3Config",
+    model_types=["qwen3"],
+    template="qwen3",
+    eos_token="<|im_end|>",
+    pad_token="<|endoftext|>",
+    chat_tokens=_CHATML_MARKERS,
+    plain_tokens=("<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>", "<think>", "</think>"),
+)
+
+register_model_family(
+    "mistral",
+    config_class="MistralConfig",
+    model_types=["mistral"],
+    template="mistral",
+    bos_token="<s>",
+    eos_token="</s>",
+    unk_token="<unk>",
+    add_bos=True,
+    chat_tokens=(
+        "[INST]",
+        "[/INST]",
+        "[TOOL_CALLS]",
+        "[AVAILABLE_TOOLS]",
+        "[/AVAILABLE_TOOLS]",
+        "[TOOL_RESULTS]",
+        "[/TOOL_RESULTS]",
+    ),
+    notes="Control tokens of the v3 tokenizer (Mistral 7B Instruct v0.3).",
+)
+
+register_model_family(
+    "gemma",
+    config_class="GemmaConfig",
+    model_types=["gemma"],
+    template="gemma",
+    bos_token="<bos>",
+    eos_token="<eos>",
+    pad_token="<pad>",
+    unk_token="<unk>",
+    add_bos=True,
+    chat_tokens=_GEMMA_MARKERS,
+)
+
+register_model_family(
+    "gemma2",
+    config_class="Gemma2Config",
+    model_types=["gemma2"],
+    template="gemma2",
+    bos_token="<bos>",
+    eos_token="<eos>",
+    pad_token="<pad>",
+    unk_token="<unk>",
+    add_bos=True,
+    chat_tokens=_GEMMA_MARKERS,
+)
+
+register_model_family(
+    "gemma3",
+    config_class="Gemma3TextConfig",
+    model_types=["gemma3_text", "gemma3"],
+    template="gemma3",
+    bos_token="<bos>",
+    eos_token="<end_of_turn>",  # Gemma 3 instruct tokenizers end on the turn marker
+    pad_token="<pad>",
+    unk_token="<unk>",
+    add_bos=True,
+    chat_tokens=("<eos>", *_GEMMA_MARKERS),
+    notes="Text-only Gemma 3 (Gemma3ForCausalLM); model_type gemma3 is the multimodal wrapper.",
+)
+
+register_model_family(
+    "phi3",
+    config_class="Phi3Config",
+    model_types=["phi3"],
+    template="phi",
+    bos_token="<s>",
+    eos_token="<|endoftext|>",
+    pad_token="<|endoftext|>",
+    unk_token="<unk>",
+    chat_tokens=("<|endoftext|>", "<|system|>", "<|user|>", "<|assistant|>", "<|end|>"),
+    lora_targets=("qkv_proj", "o_proj", "gate_up_proj", "down_proj"),
+    notes="Phi-3 / Phi-3.5 fuse q/k/v and gate/up into one linear each. Phi-4-mini is phi3 too "
+    "but uses template phi4_mini.",
+)

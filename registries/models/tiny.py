@@ -1,0 +1,151 @@
+"""Tiny random-init models of each family, built offline in about a second.
+
+Tests, the quickstart and benchmarks need real ``save_pretrained`` folders (config, safetensors
+weights, tokenizer) without downloading anything. ``build_tiny_model`` writes one;
+``tiny_model_path`` builds it once into a cache and reuses it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import inspect
+import json
+import os
+import shutil
+import tempfile
+import threading
+from pathlib import Path
+from typing import Iterable
+
+from .corpus import default_corpus
+from .families import get_model_family
+from .tokenizer import train_tokenizer
+
+# Bump when a change here changes what gets built, so stale cache entries are not reused.
+BUILD_VERSION = 1
+
+# torch's default generator is process-wide: hold it while seeding and initialising so two
+# threads building at once cannot interleave their random draws.
+_INIT_LOCK = threading.Lock()
+
+
+def build_tiny_model(
+    family: str,
+    out_dir: str | os.PathLike,
+    *,
+    hidden_size: int = 64,
+    num_layers: int = 2,
+    num_heads: int = 4,
+    num_kv_heads: int | None = None,
+    intermediate_size: int | None = None,
+    vocab_size: int = 1024,
+    max_position_embeddings: int = 2048,
+    corpus: Iterable[str] | None = None,
+    seed: int = 0,
+) -> Path:
+    """Write a random-init ``family`` model and its freshly trained tokenizer into ``out_dir``.
+
+    ``vocab_size`` is the BPE target; the model's embedding matches the tokenizer's final size
+    (smaller when a small corpus runs out of merges). ``num_kv_heads`` defaults to half the
+    heads so grouped-query attention paths are exercised. Same arguments, same files.
+    """
+    import torch
+    import transformers
+
+    spec = get_model_family(family)
+    if hidden_size % num_heads:
+        raise ValueError(f"hidden_size ({hidden_size}) must be a multiple of num_heads ({num_heads}).")
+    num_kv_heads = num_kv_heads or max(1, num_heads // 2)
+    if num_heads % num_kv_heads:
+        raise ValueError(f"num_heads ({num_heads}) must be a multiple of num_kv_heads ({num_kv_heads}).")
+    head_dim = hidden_size // num_heads
+
+    tokenizer = train_tokenizer(
+        spec, default_corpus() if corpus is None else corpus, vocab_size, max_position_embeddings
+    )
+    config_class = getattr(transformers, spec.config_class)
+    config = config_class(
+        vocab_size=len(tokenizer),
+        hidden_size=hidden_size,
+        intermediate_size=intermediate_size or 2 * hidden_size,
+        num_hidden_layers=num_layers,
+        num_attention_heads=num_heads,
+        num_key_value_heads=num_kv_heads,
+        head_dim=head_dim,
+        max_position_embeddings=max_position_embeddings,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+    )
+    # Fields some families scale by that default to their full-size values.
+    if hasattr(config, "query_pre_attn_scalar"):
+        config.query_pre_attn_scalar = head_dim
+    if hasattr(config, "original_max_position_embeddings"):
+        config.original_max_position_embeddings = max_position_embeddings
+
+    with _INIT_LOCK, torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model.generation_config.bos_token_id = tokenizer.bos_token_id
+    model.generation_config.eos_token_id = tokenizer.eos_token_id
+    model.generation_config.pad_token_id = tokenizer.pad_token_id
+
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(out)
+    tokenizer.save_pretrained(out)
+    return out
+
+
+# Captured once: the cache key must not depend on what the module attribute points to later.
+_BUILD_SIGNATURE = inspect.signature(build_tiny_model)
+
+
+def tiny_model_path(family: str, **kwargs) -> Path:
+    """A cached tiny model folder: built on first use, reused after.
+
+    The cache is ``$RAYFACTORY_CACHE/tiny`` (default ``~/.cache/rayfactory/tiny``), one folder
+    per family and argument set. A build goes to a temporary folder that is renamed into
+    place, so a folder that exists is complete, and two processes racing just both finish.
+    """
+    corpus = kwargs.pop("corpus", None)
+    if corpus is not None:
+        corpus = list(corpus)  # hashed and then trained on, so it is read once
+    get_model_family(family)  # unknown names fail here, before anything is written
+    final = cache_root() / "tiny" / f"{family}-{_build_key(family, kwargs, corpus)}"
+    if final.is_dir():
+        return final
+    final.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{final.name}-", dir=final.parent))
+    try:
+        build_tiny_model(family, staging, corpus=corpus, **kwargs)
+        staging.chmod(0o755)  # mkdtemp makes it private; the cache is meant to be shared
+        _publish(staging, final)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    return final
+
+
+def cache_root() -> Path:
+    override = os.environ.get("RAYFACTORY_CACHE")
+    return Path(override) if override else Path.home() / ".cache" / "rayfactory"
+
+
+def _publish(staging: Path, final: Path) -> None:
+    """Move a finished build into place; if another builder got there first, keep theirs."""
+    try:
+        os.rename(staging, final)
+    except OSError:
+        if not final.is_dir():  # not a lost race: a real failure (permissions, disk)
+            raise
+
+
+def _build_key(family: str, kwargs: dict, corpus: list[str] | None) -> str:
+    """Hash of everything that decides the build; defaults filled in, so spelling out a
+    default (``seed=0``) finds the same folder as leaving it out."""
+    bound = _BUILD_SIGNATURE.bind(family, "", corpus=corpus, **kwargs)
+    bound.apply_defaults()
+    args = {k: v for k, v in bound.arguments.items() if k not in ("family", "out_dir", "corpus")}
+    described = {"family": family, "version": BUILD_VERSION, "args": args, "corpus": corpus}
+    text = json.dumps(described, sort_keys=True, default=repr)
+    return hashlib.sha256(text.encode("utf-8")).hexdigest()[:12]

@@ -1,0 +1,17 @@
+"""Chat templates: one registered Template per model family."""
+
+from .registry import get_template, list_templates, register_template
+from .slots import BOS, EOS, NamedToken
+from .template import Template
+from .tools import FunctionCall
+
+__all__ = [
+    "BOS",
+    "EOS",
+    "FunctionCall",
+    "NamedToken",
+    "Template",
+    "get_template",
+    "list_templates",
+    "register_template",
+]

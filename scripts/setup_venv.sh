@@ -1,0 +1,10 @@
+#!/usr/bin/env bash
+# Create .venv (if missing) and install RayFactory with the given extras.
+# torch goes in first and alone: the pinned CPU wheel, not a multi-GB CUDA build pulled in as a dependency.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+extras="${1:-}"
+[ -x .venv/bin/python ] || python3 -m venv .venv
+.venv/bin/python -m pip install -q --upgrade pip
+.venv/bin/python -m pip install -q "torch==2.13.0"
+.venv/bin/python -m pip install -q -e ".${extras:+[$extras]}"

@@ -1,0 +1,1 @@
+"""Training stages (pt, sft, rm, dpo, kto, ppo): per-worker trainers, losses and their arguments."""

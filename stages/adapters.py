@@ -1,0 +1,141 @@
+"""Which parameters train: full, freeze (some layers/modules) or LoRA (also on a quantized base)."""
+
+from __future__ import annotations
+
+import logging
+import re
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+
+class AdapterError(ValueError):
+    """A finetuning option that does not fit the model (wrong module names, too many layers...)."""
+
+
+def apply_finetuning(model, finetuning_args, model_args, is_trainable: bool = True):
+    """Return the model with the right parameters trainable (a PeftModel for LoRA)."""
+    kind = finetuning_args.finetuning_type
+    if kind == "lora":
+        return _apply_lora(model, finetuning_args, model_args, is_trainable)
+    if model_args.adapter_name_or_path:
+        raise AdapterError(
+            f"adapter_name_or_path is set but finetuning_type is {kind!r}; adapters only load with "
+            "finetuning_type: lora. Merge the adapter first (export) or switch to lora."
+        )
+    if not is_trainable:
+        model.requires_grad_(False)
+    elif kind == "freeze":
+        _apply_freeze(model, finetuning_args)
+    return model
+
+
+def _num_layers(config) -> int:
+    config = getattr(config, "text_config", None) or config
+    for name in ("num_hidden_layers", "num_layers", "n_layer"):
+        if getattr(config, name, None):
+            return int(getattr(config, name))
+    raise AdapterError(f"Cannot find the layer count of model type {config.model_type!r}; use lora or full.")
+
+
+def _apply_freeze(model, finetuning_args) -> None:
+    """Train the last N layers (or the first N with a negative count), optionally only some modules."""
+    n_layers = _num_layers(model.config)
+    n = finetuning_args.freeze_trainable_layers
+    layer_ids = range(max(0, n_layers - n), n_layers) if n > 0 else range(min(-n, n_layers))
+
+    names = [name for name, _ in model.named_parameters()]
+    layer_modules = {m.group(1) for name in names if (m := re.search(r"\.\d+\.([^.]+)", name))}
+    other_modules = {name.split(".")[-2] for name in names if not re.search(r"\.\d+\.", name)}
+
+    patterns = []
+    for module in _as_list(finetuning_args.freeze_trainable_modules) or ["all"]:
+        if module != "all" and module not in layer_modules:
+            raise AdapterError(
+                f"freeze_trainable_modules: {module!r} is not a module of each layer; "
+                f"choose from {sorted(layer_modules)} or 'all'."
+            )
+        patterns += [f".{i}." + ("" if module == "all" else module) for i in layer_ids]
+    for module in _as_list(finetuning_args.freeze_extra_modules):
+        if module not in other_modules:
+            raise AdapterError(
+                f"freeze_extra_modules: {module!r} not found; choose from {sorted(other_modules)}."
+            )
+        patterns.append(module)
+
+    for name, param in model.named_parameters():
+        param.requires_grad_(any(p in name for p in patterns))
+    logger.info("freeze tuning: trainable layers %s", list(layer_ids))
+
+
+def find_linear_modules(model) -> list[str]:
+    """Leaf names of every linear layer except the output head (what ``lora_target: all`` means)."""
+    linear_types = (torch.nn.Linear,)
+    try:  # quantized bases replace nn.Linear with bitsandbytes layers
+        import bitsandbytes as bnb
+
+        linear_types += (bnb.nn.Linear4bit, bnb.nn.Linear8bitLt)
+    except ImportError:
+        pass
+    head = {"lm_head", "output_layer", "score", "v_head"}
+    names = set()
+    for full_name, module in model.named_modules():
+        leaf = full_name.split(".")[-1]
+        if isinstance(module, linear_types) and leaf not in head:
+            names.add(leaf)
+    return sorted(names)
+
+
+def _apply_lora(model, finetuning_args, model_args, is_trainable: bool):
+    from peft import LoraConfig, PeftModel, TaskType, get_peft_model
+
+    if getattr(model, "is_loaded_in_4bit", False) or getattr(model, "is_loaded_in_8bit", False):
+        from peft import prepare_model_for_kbit_training
+
+        model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=False)
+
+    adapters = _as_list(model_args.adapter_name_or_path)
+    if adapters:  # continue training the last adapter (earlier ones are merged in by export, not here)
+        if len(adapters) > 1:
+            raise AdapterError("Training on top of several adapters is not supported; merge them first with export.")
+        return PeftModel.from_pretrained(model, adapters[0], is_trainable=is_trainable)
+    if not is_trainable:
+        return model
+
+    targets = _as_list(finetuning_args.lora_target) or ["all"]
+    available = find_linear_modules(model)
+    if targets == ["all"]:
+        targets = available
+    else:
+        missing = [t for t in targets if t not in available]
+        if missing:
+            raise AdapterError(
+                f"lora_target {missing} not found in the model; its linear layers are {available} "
+                "(or use lora_target: all)."
+            )
+    config = LoraConfig(
+        task_type=TaskType.CAUSAL_LM,
+        r=finetuning_args.lora_rank,
+        lora_alpha=finetuning_args.lora_alpha or 2 * finetuning_args.lora_rank,
+        lora_dropout=finetuning_args.lora_dropout,
+        target_modules=targets,
+        use_rslora=finetuning_args.use_rslora,
+        use_dora=finetuning_args.use_dora,
+        modules_to_save=_as_list(finetuning_args.additional_target) or None,
+    )
+    return get_peft_model(model, config)
+
+
+def _as_list(value) -> list[str]:
+    if value is None:
+        return []
+    if isinstance(value, str):
+        return [v.strip() for v in value.split(",") if v.strip()]
+    return list(value)
+
+
+def count_parameters(model) -> tuple[int, int]:
+    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    total = sum(p.numel() for p in model.parameters())
+    return trainable, total

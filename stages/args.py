@@ -1,0 +1,226 @@
+"""The model, fine-tuning, generation and trainer halves of a run config.
+
+Field names and defaults follow LLaMA-Factory, so its YAML files load unchanged. The
+dataclasses only hold and resolve values; cluster/config.py checks types and cross-field rules
+and turns mistakes into errors that name the file and key.
+
+Trainer options use the names of ``transformers.Seq2SeqTrainingArguments``. They are kept as a
+plain mapping (``TrainingOptions``) and become the real object only on the worker, through
+``TrainingOptions.build()``: constructing it sets up devices and loads DeepSpeed configs, which
+belongs on the machine that trains, not on the driver that parses.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from functools import lru_cache
+from typing import Any, Literal
+
+AttentionImpl = Literal["eager", "sdpa", "flash_attention_2", "flash_attention_3", "flex_attention"]
+
+
+class ArgumentError(ValueError):
+    """A value that breaks one argument group's rules; ``key`` lets the config name its source."""
+
+    def __init__(self, key: str, message: str):
+        self.key = key
+        super().__init__(message)
+
+    def __reduce__(self):  # picklable across Ray processes
+        return (ArgumentError, (self.key, str(self)))
+
+
+@dataclass
+class ModelArguments:
+    model_name_or_path: str | None = None  # required; None only so the error can say so clearly
+    adapter_name_or_path: list[str] | None = None  # "a,b" merges adapters in order
+    trust_remote_code: bool = False
+    resize_vocab: bool = False
+    model_revision: str = "main"
+    cache_dir: str | None = None
+    quantization_bit: Literal[4, 8] | None = None
+    quantization_method: Literal["bnb"] = "bnb"  # LLaMA-Factory's key; bitsandbytes is the only one here
+    quantization_type: Literal["nf4", "fp4"] = "nf4"
+    double_quantization: bool = True
+    # "auto" loads weights in the trainer's precision: bfloat16 with bf16, float16 with fp16, else float32.
+    torch_dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    infer_dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    # None lets transformers pick (sdpa where it can).
+    attn_implementation: AttentionImpl | None = None
+
+    def load_dtype(self, bf16: bool, fp16: bool) -> str:
+        """The dtype name to load weights in for training, resolving "auto" from the precision flags."""
+        if self.torch_dtype != "auto":
+            return self.torch_dtype
+        return "bfloat16" if bf16 else "float16" if fp16 else "float32"
+
+
+@dataclass
+class FinetuningArguments:
+    stage: Literal["pt", "sft", "rm", "ppo", "dpo", "kto"] = "sft"
+    finetuning_type: Literal["full", "freeze", "lora"] = "lora"
+    # freeze: train the last N layers (negative: the first N), limited to these modules.
+    freeze_trainable_layers: int = 2
+    freeze_trainable_modules: list[str] = field(default_factory=lambda: ["all"])
+    freeze_extra_modules: list[str] | None = None
+    lora_rank: int = 8
+    lora_alpha: int | None = None  # None means 2 * lora_rank, as in LLaMA-Factory
+    lora_dropout: float = 0.0
+    lora_target: list[str] = field(default_factory=lambda: ["all"])  # "all": every linear layer but the head
+    additional_target: list[str] | None = None  # modules trained fully next to the adapter (e.g. embed_tokens)
+    use_rslora: bool = False
+    use_dora: bool = False
+    # Preference stages. pref_loss picks the objective inside stage dpo: sigmoid (DPO), hinge, ipo,
+    # orpo and simpo (the last two need no reference model).
+    pref_beta: float = 0.1
+    pref_ftx: float = 0.0  # weight of the SFT loss added to the preference loss
+    pref_loss: Literal["sigmoid", "hinge", "ipo", "orpo", "simpo"] = "sigmoid"
+    dpo_label_smoothing: float = 0.0
+    simpo_gamma: float = 0.5
+    kto_chosen_weight: float = 1.0
+    kto_rejected_weight: float = 1.0
+    ref_model: str | None = None  # None: the policy's own initial weights (adapter disabled for LoRA)
+    ref_model_adapters: list[str] | None = None
+    reward_model: str | None = None  # required by stage ppo
+    reward_model_adapters: list[str] | None = None
+    ppo_epochs: int = 4
+    ppo_buffer_size: int = 1
+    ppo_target: float = 6.0
+    ppo_score_norm: bool = False
+    ppo_whiten_rewards: bool = False
+    plot_loss: bool = False
+
+    def __post_init__(self) -> None:
+        if self.lora_alpha is None:
+            self.lora_alpha = 2 * self.lora_rank
+        if self.lora_rank < 1:
+            raise ArgumentError("lora_rank", f"lora_rank must be at least 1, got {self.lora_rank}. Try lora_rank: 8.")
+        if self.lora_alpha <= 0:
+            raise ArgumentError(
+                "lora_alpha", f"lora_alpha must be positive, got {self.lora_alpha}. Remove it for 2 * lora_rank."
+            )
+        if not 0 <= self.lora_dropout < 1:
+            raise ArgumentError("lora_dropout", f"lora_dropout must be in [0, 1), got {self.lora_dropout}.")
+        if self.freeze_trainable_layers == 0:
+            raise ArgumentError(
+                "freeze_trainable_layers",
+                "freeze_trainable_layers is 0, which trains nothing. "
+                "Use N > 0 for the last N layers, -N for the first N.",
+            )
+        if self.pref_loss != "sigmoid" and self.stage != "dpo":
+            raise ArgumentError(
+                "pref_loss",
+                f"pref_loss {self.pref_loss!r} selects a preference objective inside stage dpo, but stage is "
+                f"{self.stage!r}. Set stage: dpo, or remove pref_loss.",
+            )
+        if self.dpo_label_smoothing > 0 and self.pref_loss != "sigmoid":
+            raise ArgumentError(
+                "dpo_label_smoothing",
+                f"dpo_label_smoothing only applies to pref_loss sigmoid, not {self.pref_loss!r}. Remove it.",
+            )
+        for name in ("use_rslora", "use_dora"):
+            if getattr(self, name) and self.finetuning_type != "lora":
+                raise ArgumentError(
+                    name, f"{name} is a LoRA option, but finetuning_type is {self.finetuning_type!r}. Remove {name}."
+                )
+        if self.stage == "ppo" and not self.reward_model:
+            raise ArgumentError(
+                "reward_model", "stage ppo needs reward_model (a reward model folder). Set reward_model."
+            )
+
+    @property
+    def use_ref_model(self) -> bool:
+        """Whether the stage needs a frozen reference policy (orpo and simpo do not)."""
+        return self.stage == "kto" or (self.stage == "dpo" and self.pref_loss not in ("orpo", "simpo"))
+
+
+@dataclass
+class GeneratingArguments:
+    do_sample: bool = True
+    temperature: float = 0.95
+    top_p: float = 0.7
+    top_k: int = 50
+    num_beams: int = 1
+    max_length: int = 1024
+    max_new_tokens: int = 1024
+    repetition_penalty: float = 1.0
+    length_penalty: float = 1.0
+    skip_special_tokens: bool = True
+
+    def to_generate_kwargs(self) -> dict[str, Any]:
+        """Keyword arguments for ``model.generate``; sampling knobs only when sampling."""
+        kwargs = dataclasses.asdict(self)
+        kwargs.pop("skip_special_tokens")  # a decode option, not a generate one
+        if kwargs["max_new_tokens"]:
+            kwargs.pop("max_length")  # generate() prefers max_new_tokens; passing both warns
+        if not self.do_sample:
+            for name in ("temperature", "top_p", "top_k"):
+                kwargs.pop(name)
+        return kwargs
+
+
+@dataclass(frozen=True)
+class TrainerField:
+    """What a Seq2SeqTrainingArguments field accepts: its annotation and default."""
+
+    name: str
+    annotation: Any
+    default: Any
+
+
+@lru_cache(maxsize=1)
+def trainer_fields() -> dict[str, TrainerField]:
+    """The fields of the installed transformers' Seq2SeqTrainingArguments.
+
+    Read from the class rather than copied here, so a transformers upgrade that renames a
+    field (5.x dropped ``warmup_ratio`` and ``overwrite_output_dir``) shows up as an unknown
+    key instead of a silently ignored one. Importing it imports torch: a few seconds, once.
+    """
+    import typing
+
+    from transformers import Seq2SeqTrainingArguments
+
+    hints = typing.get_type_hints(Seq2SeqTrainingArguments)
+    result = {}
+    for f in dataclasses.fields(Seq2SeqTrainingArguments):
+        if not f.init:
+            continue
+        if f.default is not dataclasses.MISSING:
+            default = f.default
+        elif f.default_factory is not dataclasses.MISSING:
+            default = f.default_factory()
+        else:
+            default = None
+        result[f.name] = TrainerField(f.name, hints.get(f.name, f.type), default)
+    return result
+
+
+@dataclass
+class TrainingOptions:
+    """Trainer options the user set (already checked), with transformers' defaults for the rest.
+
+    ``options.learning_rate`` reads like the real arguments object; ``build()`` makes it.
+    """
+
+    values: dict[str, Any] = field(default_factory=dict)
+
+    def __getattr__(self, name: str) -> Any:
+        # Dunder lookups (pickle, copy) must not land here: Ray ships this object to workers.
+        if name.startswith("__") or name == "values":
+            raise AttributeError(name)
+        if name in self.values:
+            return self.values[name]
+        known = trainer_fields()
+        if name not in known:
+            raise AttributeError(f"{name!r} is not a Seq2SeqTrainingArguments field")
+        return known[name].default
+
+    def to_dict(self) -> dict[str, Any]:
+        return dict(self.values)
+
+    def build(self, **overrides: Any):
+        """The real ``transformers.Seq2SeqTrainingArguments`` (call this on the worker)."""
+        from transformers import Seq2SeqTrainingArguments
+
+        return Seq2SeqTrainingArguments(**{**self.values, **overrides})

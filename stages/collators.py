@@ -1,0 +1,216 @@
+"""Collators: tokenized rows -> padded torch tensors, one batch at a time.
+
+They accept either shape a batch arrives in:
+
+* a list of row dicts (Hugging Face ``Trainer`` / ``DataLoader``), or
+* a dict of columns (Ray Data's ``iter_torch_batches(collate_fn=...)`` hands numpy columns).
+
+Padding goes to the longest row in the batch (optionally rounded up to a multiple), on the
+right for training or the left for generation. Each column pads with its own value: the
+tokenizer's pad id for ids, IGNORE_INDEX for labels, 0 for masks and positions.
+
+Collators hold plain numbers, not the tokenizer, so they pickle cheaply to Ray workers; build
+them with ``from_tokenizer``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Mapping, Sequence
+
+import torch
+
+from registries.tokenize import IGNORE_INDEX
+
+
+def to_columns(features) -> dict[str, list[Any]]:
+    """Rows or columns in, columns out."""
+    if isinstance(features, Mapping):
+        return {key: list(values) for key, values in features.items()}
+    if not features:
+        raise ValueError("Cannot collate an empty batch.")
+    return {key: [row[key] for row in features] for key in features[0]}
+
+
+def pad_value(column: str, pad_token_id: int) -> int:
+    if column.endswith("input_ids"):
+        return pad_token_id
+    if column.endswith("labels"):
+        return IGNORE_INDEX
+    if column.endswith("attention_mask") or column.endswith("position_ids"):
+        return 0
+    raise ValueError(
+        f"Do not know how to pad column {column!r}: collators pad *input_ids, *labels, "
+        "*attention_mask and *position_ids. Drop the column before collating or add a pad rule."
+    )
+
+
+def pad_rows(
+    rows: Sequence[Sequence[int]], value: int, side: str = "right", multiple: int | None = None,
+    length: int | None = None,
+) -> torch.Tensor:
+    """Rows of ids -> a (len(rows), L) long tensor padded with ``value``.
+
+    L is ``length`` if given, else the longest row rounded up to ``multiple``.
+    """
+    tensors = [torch.as_tensor(row, dtype=torch.long).reshape(-1) for row in rows]
+    if length is None:
+        length = max((len(t) for t in tensors), default=0)
+        if multiple:
+            length = -(-length // multiple) * multiple
+    out = torch.full((len(tensors), length), value, dtype=torch.long)
+    for i, t in enumerate(tensors):
+        if side == "right":
+            out[i, : len(t)] = t
+        else:
+            out[i, length - len(t) :] = t
+    return out
+
+
+@dataclass
+class PaddingCollator:
+    """Pads every list column; scalar columns (e.g. ``kto_tags``) become 1-D tensors."""
+
+    pad_token_id: int
+    padding_side: str = "right"
+    pad_to_multiple_of: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.padding_side not in ("left", "right"):
+            raise ValueError(f"padding_side must be 'left' or 'right', got {self.padding_side!r}.")
+
+    @classmethod
+    def from_tokenizer(cls, tokenizer, padding_side: str | None = None, **kwargs):
+        if tokenizer.pad_token_id is None:
+            raise ValueError(
+                "The tokenizer has no pad token, so batches cannot be padded. Call "
+                "template.fix_tokenizer(tokenizer) first (it sets pad to eos when missing)."
+            )
+        return cls(pad_token_id=tokenizer.pad_token_id, padding_side=padding_side or tokenizer.padding_side, **kwargs)
+
+    def __call__(self, features) -> dict[str, torch.Tensor]:
+        return self.collate_columns(to_columns(features))
+
+    def collate_columns(self, columns: dict[str, list[Any]], length: int | None = None) -> dict[str, torch.Tensor]:
+        batch: dict[str, torch.Tensor] = {}
+        for key, values in columns.items():
+            if len(values) == 0:
+                raise ValueError(f"Cannot collate an empty batch (column {key!r} has no rows).")
+            if _is_sequence(values[0]):
+                batch[key] = pad_rows(
+                    values, pad_value(key, self.pad_token_id), self.padding_side, self.pad_to_multiple_of, length
+                )
+            else:
+                batch[key] = torch.as_tensor(values)
+        return batch
+
+
+@dataclass
+class PairwiseCollator(PaddingCollator):
+    """rm/dpo: ``2B`` rows, all chosen sequences first, then all rejected ones, same length."""
+
+    def __call__(self, features) -> dict[str, torch.Tensor]:
+        columns = to_columns(features)
+        stacked = {
+            name: list(columns[f"chosen_{name}"]) + list(columns[f"rejected_{name}"])
+            for name in ("input_ids", "attention_mask", "labels")
+        }
+        return self.collate_columns(stacked)
+
+
+@dataclass
+class KTOCollator(PaddingCollator):
+    """kto: the examples, their mismatched KL examples (padded on their own) and the tags."""
+
+    def __call__(self, features) -> dict[str, torch.Tensor]:
+        columns = to_columns(features)
+        main = self.collate_columns({k: columns[k] for k in ("input_ids", "attention_mask", "labels")})
+        kl = self.collate_columns({k: columns[f"kl_{k}"] for k in ("input_ids", "attention_mask", "labels")})
+        batch = dict(main)
+        batch.update({f"kl_{k}": v for k, v in kl.items()})
+        batch["kto_tags"] = torch.as_tensor([bool(t) for t in columns["kto_tags"]], dtype=torch.bool)
+        return batch
+
+
+@dataclass
+class NeatPackingCollator(PaddingCollator):
+    """sft with ``neat_packing``: ``attention_mask`` holds example numbers (1,1,2,2,2,3,..., 0 =
+    padding). Builds position ids that restart at every example and a 4-D block-diagonal causal
+    mask, so packed examples cannot attend to each other.
+
+    The mask is additive, shaped (B, 1, L, L), in ``dtype`` (the model's compute dtype): 0 where
+    attention is allowed, the dtype's most negative value elsewhere. A padding row attends
+    nowhere; its outputs are ignored because its labels are IGNORE_INDEX.
+    """
+
+    dtype: torch.dtype = torch.float32
+    # Flash-attention kernels take no 4-D mask; given restarting position_ids and no mask,
+    # transformers runs them per example ("varlen"), which isolates the examples just the same.
+    four_d_mask: bool = True
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.padding_side != "right":
+            raise ValueError("Neat packing pads on the right (packed rows are for training, not generation).")
+
+    def __call__(self, features) -> dict[str, torch.Tensor]:
+        batch = super().__call__(features)
+        segments = batch.pop("attention_mask")
+        batch["position_ids"] = restarting_positions(segments)
+        if self.four_d_mask:
+            batch["attention_mask"] = block_diagonal_mask(segments, self.dtype)
+        return batch
+
+
+def build_collator(stage: str, tokenizer, data_args, model=None, pad_to_multiple_of: int | None = None):
+    """The collator for a stage's tokenized columns (see ``registries.tokenize``).
+
+    pt/sft pad on the right (sft with ``neat_packing`` isolates packed examples, with a mask in
+    the model's dtype); rm/dpo stack chosen then rejected; kto adds the KL batch; ppo/predict
+    pad on the left so generation continues every prompt at the same position.
+    """
+    kwargs = dict(pad_to_multiple_of=pad_to_multiple_of)
+    if stage in ("pt", "sft"):
+        if stage == "sft" and getattr(data_args, "neat_packing", False):
+            attn = str(getattr(getattr(model, "config", None), "_attn_implementation", "") or "")
+            dtype = getattr(model, "dtype", torch.float32)
+            return NeatPackingCollator.from_tokenizer(
+                tokenizer, "right", dtype=dtype, four_d_mask=not attn.startswith("flash"), **kwargs
+            )
+        return PaddingCollator.from_tokenizer(tokenizer, "right", **kwargs)
+    if stage in ("rm", "dpo"):
+        return PairwiseCollator.from_tokenizer(tokenizer, "right", **kwargs)
+    if stage == "kto":
+        return KTOCollator.from_tokenizer(tokenizer, "right", **kwargs)
+    if stage in ("ppo", "predict"):
+        return PaddingCollator.from_tokenizer(tokenizer, "left", **kwargs)
+    raise ValueError(f"No collator for stage {stage!r}; expected one of pt, sft, rm, dpo, kto, ppo, predict.")
+
+
+def restarting_positions(segments: torch.Tensor) -> torch.Tensor:
+    """Position 0, 1, 2, ... within each example; padding (segment 0) gets 0."""
+    length = segments.shape[-1]
+    index = torch.arange(length).expand_as(segments)
+    starts = torch.ones_like(segments, dtype=torch.bool)
+    starts[:, 1:] = segments[:, 1:] != segments[:, :-1]
+    # Each position's example start is the last start at or before it.
+    start_index = torch.cummax(torch.where(starts, index, torch.zeros_like(index)), dim=-1).values
+    return torch.where(segments > 0, index - start_index, torch.zeros_like(index))
+
+
+def block_diagonal_mask(segments: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """(B, L) example numbers -> (B, 1, L, L) additive causal mask within each example."""
+    length = segments.shape[-1]
+    same = segments[:, :, None] == segments[:, None, :]
+    real = (segments > 0)[:, :, None] & (segments > 0)[:, None, :]
+    causal = torch.ones(length, length, dtype=torch.bool).tril()
+    allowed = same & real & causal
+    mask = torch.zeros(allowed.shape, dtype=dtype)
+    mask.masked_fill_(~allowed, torch.finfo(dtype).min)
+    return mask[:, None, :, :]
+
+
+def _is_sequence(value: Any) -> bool:
+    if isinstance(value, (list, tuple)):
+        return True
+    return hasattr(value, "shape") and len(value.shape) >= 1  # numpy arrays and tensors

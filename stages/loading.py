@@ -1,0 +1,97 @@
+"""Load what a stage trains: tokenizer + chat template + model with its adapter."""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+
+import torch
+
+from registries.models import load_tokenizer, tiny_model_path
+from registries.templates.autodetect import resolve_template
+from registries.templates.formatters import FunctionFormatter, ToolFormatter
+
+from .adapters import apply_finetuning, count_parameters
+
+logger = logging.getLogger(__name__)
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+TINY_PREFIX = "tiny:"
+
+
+def resolve_model_path(name: str) -> str:
+    """``tiny:<family>`` names a random-init model built offline (and cached) by the registries:
+    the quickstart and the tests train it without any hub. Anything else is a hub id or a path."""
+    if isinstance(name, str) and name.startswith(TINY_PREFIX):
+        return str(tiny_model_path(name[len(TINY_PREFIX):]))
+    return name
+
+
+def load_tokenizer_and_template(model_args, data_args):
+    """The tokenizer fixed for the template (eos/pad/stop words) and the template with the
+    data options (default_system, tool_format, enable_thinking) applied."""
+    tokenizer = load_tokenizer(resolve_model_path(model_args.model_name_or_path))
+    template = resolve_template(data_args.template, tokenizer)
+    template = customize_template(template, data_args)
+    template.fix_tokenizer(tokenizer)
+    return tokenizer, template
+
+
+def customize_template(template, data_args):
+    changes = {}
+    if getattr(data_args, "default_system", None) is not None:
+        changes["default_system"] = data_args.default_system
+    if template.thought_words is not None:
+        changes["enable_thinking"] = bool(getattr(data_args, "enable_thinking", True))
+    tool_format = getattr(data_args, "tool_format", None)
+    if tool_format:
+        changes["format_tools"] = ToolFormatter(tool_format)
+        changes["format_function"] = FunctionFormatter(template.format_function.slots, tool_format)
+    return dataclasses.replace(template, **changes) if changes else template
+
+
+def _quantization_config(model_args):
+    if not model_args.quantization_bit:
+        return None
+    from transformers import BitsAndBytesConfig
+
+    if model_args.quantization_bit == 4:
+        return BitsAndBytesConfig(
+            load_in_4bit=True,
+            bnb_4bit_quant_type=model_args.quantization_type,
+            bnb_4bit_use_double_quant=model_args.double_quantization,
+            bnb_4bit_compute_dtype=torch.float32 if not torch.cuda.is_available() else torch.bfloat16,
+        )
+    return BitsAndBytesConfig(load_in_8bit=True)
+
+
+def model_dtype(model_args, training_args=None):
+    bf16 = bool(getattr(training_args, "bf16", False))
+    fp16 = bool(getattr(training_args, "fp16", False))
+    return _DTYPES[model_args.load_dtype(bf16, fp16)]
+
+
+def load_model(model_args, finetuning_args, tokenizer, training_args=None, is_trainable: bool = True):
+    from transformers import AutoModelForCausalLM
+
+    kwargs = dict(
+        dtype=model_dtype(model_args, training_args),
+        trust_remote_code=model_args.trust_remote_code,
+        revision=model_args.model_revision,
+        cache_dir=model_args.cache_dir,
+    )
+    quant = _quantization_config(model_args)
+    if quant is not None:
+        kwargs["quantization_config"] = quant
+    model = AutoModelForCausalLM.from_pretrained(resolve_model_path(model_args.model_name_or_path), **kwargs)
+    if len(tokenizer) > model.get_input_embeddings().weight.shape[0]:
+        # The template added tokens (eos/stop words) the model has never seen.
+        model.resize_token_embeddings(len(tokenizer), pad_to_multiple_of=8)
+    if getattr(training_args, "gradient_checkpointing", False):
+        model.config.use_cache = False
+    model = apply_finetuning(model, finetuning_args, model_args, is_trainable)
+    trainable, total = count_parameters(model)
+    logger.info("trainable params: %d of %d (%.4f%%)", trainable, total, 100 * trainable / max(total, 1))
+    return model

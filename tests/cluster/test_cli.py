@@ -1,0 +1,102 @@
+"""The ``rayfactory`` command, run as a real subprocess (``python -m cluster.cli``)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import cluster
+from cluster.cli import _user_error_message, main
+from registries.datasets.errors import DatasetRowError
+from registries.templates import list_templates
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def rayfactory(*args: str, cwd: str = REPO) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONPATH": REPO, "RAY_ADDRESS": ""}
+    return subprocess.run(
+        [sys.executable, "-m", "cluster.cli", *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=120
+    )
+
+
+def test_version_is_instant_and_imports_nothing_heavy():
+    done = rayfactory("version")
+    assert (done.returncode, done.stdout, done.stderr) == (0, f"rayfactory {cluster.__version__}\n", "")
+    probe = subprocess.run(
+        [sys.executable, "-c", "import sys, cluster.cli as c; c.main(['version']); "
+         "print(sorted(m for m in ('torch', 'transformers', 'ray') if m in sys.modules))"],
+        cwd=REPO, env={**os.environ, "PYTHONPATH": REPO}, capture_output=True, text=True, timeout=60,
+    )
+    assert probe.stdout == f"rayfactory {cluster.__version__}\n[]\n"
+
+
+def test_templates_lists_registered_names():
+    done = rayfactory("templates")
+    assert done.returncode == 0
+    assert done.stdout.splitlines() == list_templates()
+    assert {"default", "empty", "chatml"} <= set(done.stdout.splitlines())
+
+
+def test_bad_config_exits_2_with_one_paragraph(tmp_path):
+    (tmp_path / "cfg.yaml").write_text("model_name_or_path: m\noutput_dir: o\nlora_rnak: 16\n")
+    done = rayfactory("train", "cfg.yaml", cwd=str(tmp_path))
+    assert done.returncode == 2
+    assert done.stdout == ""
+    assert "rayfactory: error: unknown key 'lora_rnak' in cfg.yaml; did you mean 'lora_rank'?" in done.stderr
+    assert "Traceback" not in done.stderr
+
+
+def test_bad_override_exits_2(tmp_path, monkeypatch, capsys):
+    # In-process main(): the same code path as the console script, without a second torch import.
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "cfg.yaml").write_text("model_name_or_path: m\noutput_dir: o\n")
+    assert main(["train", "cfg.yaml", "lora_rank=eight"]) == 2
+    out, err = capsys.readouterr()
+    assert (out, err) == ("", (
+        "rayfactory: error: wrong type for 'lora_rank' in command-line override 'lora_rank=eight': got 'eight' "
+        "(a string), expected an integer.\n"
+    ))
+
+
+def test_missing_config_file_exits_2(tmp_path):
+    done = rayfactory("train", "missing.yaml", cwd=str(tmp_path))
+    assert done.returncode == 2
+    expected = f"rayfactory: error: config file missing.yaml not found (looked for {tmp_path / 'missing.yaml'})"
+    assert expected in done.stderr
+
+
+def test_no_command_prints_usage_and_exits_2():
+    done = rayfactory()
+    assert done.returncode == 2
+    assert done.stderr.startswith("usage: rayfactory [-h] [--version] COMMAND ...")
+    assert "train" in done.stderr and "templates" in done.stderr
+
+
+def test_env_reports_versions_without_starting_ray():
+    from importlib import metadata
+
+    done = rayfactory("env")
+    assert done.returncode == 0, done.stderr
+    lines = dict(line.split(None, 1) for line in done.stdout.splitlines())
+    for name in ("torch", "transformers", "peft", "trl", "datasets", "accelerate", "ray"):
+        assert lines[name] == metadata.version(name)
+    assert lines["python"].startswith(f"{sys.version_info.major}.{sys.version_info.minor}.")
+    assert lines["accelerator"] == "CPU only (no CUDA device visible to torch)" or "CUDA device" in lines["accelerator"]
+    # Without --local nothing is started: either another session's Ray is found, or we say how to get one.
+    assert lines["cluster"].startswith("connected, ") or lines["cluster"] == (
+        "no running cluster found (set RAY_ADDRESS, or pass --local to start a temporary one)"
+    )
+
+
+def test_user_errors_raised_inside_ray_tasks_are_unwrapped():
+    from ray.exceptions import RayTaskError
+
+    cause = DatasetRowError("demo", "data/demo.json", 3, "output", "column 'output' is a list, expected a string")
+    wrapped = RayTaskError("map_batches", "Traceback (most recent call last): ...", cause).as_instanceof_cause()
+    assert _user_error_message(wrapped) == (
+        "row 3 of data/demo.json (dataset 'demo'): column 'output' is a list, expected a string. "
+        "Fix the row, or set skip_bad_rows: true to drop such rows and report them."
+    )
+    assert _user_error_message(RuntimeError("a bug")) is None  # bugs keep their traceback

@@ -1,0 +1,468 @@
+"""cluster.config: YAML + overrides -> RunConfig, and one exact error per user mistake."""
+
+from __future__ import annotations
+
+import json
+import os
+import textwrap
+
+import pytest
+import yaml
+
+from cluster.config import (
+    IGNORED_KEYS,
+    MULTIMODAL_KEYS,
+    UNSUPPORTED_KEYS,
+    ConfigError,
+    key_owners,
+    load_config,
+    parse_override,
+)
+from fabric.args import RayArguments
+from registries.datasets.args import DataArguments
+from stages.args import FinetuningArguments, GeneratingArguments, ModelArguments, trainer_fields
+
+# examples/train_lora/qwen3_lora_sft_ray.yaml from LLaMA-Factory, comments and all, unchanged.
+LF_SFT_LORA = """\
+### model
+model_name_or_path: Qwen/Qwen3-4B-Instruct-2507  # or use local absolute path
+trust_remote_code: true
+
+### method
+stage: sft
+do_train: true
+finetuning_type: lora
+lora_rank: 8
+lora_target: all
+
+### dataset
+dataset: identity,alpaca_en_demo
+template: qwen3_nothink
+cutoff_len: 2048
+max_samples: 1000
+preprocessing_num_workers: 16
+dataloader_num_workers: 4
+
+### output
+output_dir: saves/qwen3-4b/lora/sft
+logging_steps: 10
+save_steps: 500
+plot_loss: true
+overwrite_output_dir: true
+save_only_model: false
+report_to: none  # choices: [none, wandb, tensorboard, swanlab, mlflow]
+
+### ray
+ray_num_workers: 4  # Number of GPUs to use.
+
+### train
+per_device_train_batch_size: 1
+gradient_accumulation_steps: 8
+learning_rate: 1.0e-4
+num_train_epochs: 3.0
+lr_scheduler_type: cosine
+warmup_ratio: 0.1
+bf16: true
+ddp_timeout: 180000000
+resume_from_checkpoint: null
+"""
+
+BASE = {"model_name_or_path": "tiny-model", "dataset": "demo", "output_dir": "out"}
+
+
+@pytest.fixture(autouse=True)
+def _in_tmp(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)  # relative paths in configs resolve inside the test's folder
+
+
+def write(text: str, name: str = "cfg.yaml") -> str:
+    with open(name, "w", encoding="utf-8") as f:
+        f.write(textwrap.dedent(text))
+    return name
+
+
+def error_of(config, overrides=None) -> str:
+    with pytest.raises(ConfigError) as info:
+        load_config(config, overrides)
+    return str(info.value)
+
+
+# --- loading -------------------------------------------------------------------------------
+
+
+def test_llamafactory_sft_lora_yaml_loads_unchanged(tmp_path):
+    run = load_config(write(LF_SFT_LORA))
+    assert run.model.model_name_or_path == "Qwen/Qwen3-4B-Instruct-2507"  # a hub id stays as written
+    assert run.model.trust_remote_code is True
+    assert (run.finetuning.stage, run.finetuning.finetuning_type) == ("sft", "lora")
+    assert (run.finetuning.lora_rank, run.finetuning.lora_alpha, run.finetuning.lora_target) == (8, 16, ["all"])
+    assert run.finetuning.plot_loss is True
+    assert run.data.dataset == ["identity", "alpaca_en_demo"]
+    assert (run.data.template, run.data.cutoff_len, run.data.max_samples) == ("qwen3_nothink", 2048, 1000)
+    assert run.ray.ray_num_workers == 4
+    assert run.training.values == {
+        "do_train": True,
+        "dataloader_num_workers": 4,
+        "output_dir": str(tmp_path / "saves/qwen3-4b/lora/sft"),
+        "logging_steps": 10,
+        "save_steps": 500,
+        "save_only_model": False,
+        "report_to": "none",
+        "per_device_train_batch_size": 1,
+        "gradient_accumulation_steps": 8,
+        "learning_rate": 1.0e-4,
+        "num_train_epochs": 3.0,
+        "lr_scheduler_type": "cosine",
+        "bf16": True,
+        "ddp_timeout": 180000000,
+        "resume_from_checkpoint": None,
+        "warmup_steps": 0.1,  # transformers 5 has no warmup_ratio: a float below 1 is the ratio
+    }
+    assert run.notes == [
+        "ignored 'preprocessing_num_workers' from cfg.yaml: Ray Data sizes the preprocessing parallelism itself.",
+        "ignored 'overwrite_output_dir' from cfg.yaml: transformers 5 removed it; output_dir is written into, "
+        "and resuming needs resume_from_checkpoint.",
+        "translated warmup_ratio: 0.1 to warmup_steps: 0.1.",
+    ]
+    assert run.raw["preprocessing_num_workers"] == 16 and run.raw["warmup_ratio"] == 0.1  # as written
+    assert run.training.seed == 42 and run.training.max_steps == -1  # unset fields read transformers' defaults
+
+
+def test_defaults_follow_llamafactory():
+    run = load_config(dict(BASE))
+    assert run.finetuning == FinetuningArguments()
+    assert (run.finetuning.stage, run.finetuning.finetuning_type, run.finetuning.lora_alpha) == ("sft", "lora", 16)
+    assert (run.finetuning.pref_beta, run.finetuning.pref_loss, run.finetuning.simpo_gamma) == (0.1, "sigmoid", 0.5)
+    assert run.model.quantization_bit is None and run.model.double_quantization is True
+    assert run.generating == GeneratingArguments()
+    assert (run.generating.temperature, run.generating.top_p, run.generating.max_new_tokens) == (0.95, 0.7, 1024)
+    assert run.ray.resources_per_worker == {"CPU": 1} and run.ray.placement_strategy == "PACK"
+    assert run.ray.ray_storage_path == os.path.abspath("saves/ray_results")
+    assert run.training.values == {"output_dir": os.path.abspath("out"), "report_to": "none"}
+
+
+def test_every_key_belongs_to_exactly_one_group():
+    owners = key_owners()  # raises if two groups claim a name
+    groups = {"model": ModelArguments, "data": DataArguments, "finetuning": FinetuningArguments,
+              "generating": GeneratingArguments, "ray": RayArguments}
+    for group, cls in groups.items():
+        assert all(owners[name] == group for name in cls.__dataclass_fields__)
+    assert set(owners) == {n for c in groups.values() for n in c.__dataclass_fields__} | set(trainer_fields())
+    # The LLaMA-Factory compatibility tables never shadow a real key.
+    assert not (set(IGNORED_KEYS) | set(UNSUPPORTED_KEYS) | set(MULTIMODAL_KEYS)) & set(owners)
+
+
+def test_overrides_are_yaml_scalars():
+    run = load_config(dict(BASE), [
+        "lora_rank=16", "dataset=a,b", "learning_rate=1e-4", "bf16=true", "max_samples=",
+        "resources_per_worker={CPU: 2, GPU: 1}", "lora_target=[q_proj, v_proj]",
+    ])
+    assert (run.finetuning.lora_rank, run.finetuning.lora_alpha) == (16, 32)
+    assert run.data.dataset == ["a", "b"]
+    assert run.training.learning_rate == 1e-4 and isinstance(run.training.learning_rate, float)
+    assert run.training.bf16 is True
+    assert run.data.max_samples is None
+    assert run.ray.resources_per_worker == {"CPU": 2, "GPU": 1} and run.ray.uses_gpu
+    assert run.finetuning.lora_target == ["q_proj", "v_proj"]
+    assert run.raw["lora_rank"] == 16
+
+
+def test_override_wins_over_file_and_is_named_in_errors():
+    path = write("model_name_or_path: m\noutput_dir: o\nlora_rank: 8\n")
+    assert load_config(path, ["lora_rank=4"]).finetuning.lora_rank == 4
+    assert error_of(path, ["lora_rank=four"]) == (
+        "wrong type for 'lora_rank' in command-line override 'lora_rank=four': got 'four' (a string), "
+        "expected an integer."
+    )
+
+
+def test_parse_override_rejects_non_assignments():
+    assert parse_override("dataset=a,b") == ("dataset", "a,b")
+    assert parse_override("ray_init_kwargs={num_gpus: 0}") == ("ray_init_kwargs", {"num_gpus": 0})
+    with pytest.raises(ConfigError, match=r"command-line override '--lora_rank' is not of the form key=value"):
+        parse_override("--lora_rank")
+
+
+def test_qlora_alias_means_lora_with_4_bits_unless_set():
+    run = load_config({**BASE, "finetuning_type": "qlora"})
+    assert (run.finetuning.finetuning_type, run.model.quantization_bit) == ("lora", 4)
+    assert run.notes == ["finetuning_type qlora means lora with quantization_bit 4."]
+    run = load_config({**BASE, "finetuning_type": "qlora", "quantization_bit": 8})
+    assert (run.finetuning.finetuning_type, run.model.quantization_bit) == ("lora", 8)
+
+
+def test_flash_attn_translates_to_attn_implementation():
+    assert load_config({**BASE, "flash_attn": "fa2"}).model.attn_implementation == "flash_attention_2"
+    assert load_config({**BASE, "flash_attn": "auto"}).model.attn_implementation is None
+
+
+def test_deepspeed_file_is_loaded_for_remote_workers():
+    ds = {"zero_optimization": {"stage": 2}, "train_micro_batch_size_per_gpu": "auto"}
+    with open("ds_z2.json", "w") as f:
+        json.dump(ds, f)
+    run = load_config({**BASE, "deepspeed": "ds_z2.json"})
+    assert run.training.deepspeed == ds
+    assert run.raw["deepspeed"] == "ds_z2.json"
+
+
+def test_resume_path_becomes_absolute(tmp_path):
+    os.makedirs("out/checkpoint-10")
+    run = load_config({**BASE, "resume_from_checkpoint": "out/checkpoint-10"})
+    assert run.training.resume_from_checkpoint == str(tmp_path / "out/checkpoint-10")
+
+
+def test_resolved_config_round_trips():
+    with open("ds.json", "w") as f:
+        json.dump({"zero_optimization": {"stage": 3}}, f)
+    run = load_config(write(LF_SFT_LORA), ["deepspeed=ds.json", "finetuning_type=qlora", "val_size=0.1"])
+    path = run.write_yaml()
+    assert path == os.path.join(run.training.output_dir, "rayfactory_config.yaml")
+    with open(path) as f:
+        assert f.readline() == (
+            "# Resolved by RayFactory from cfg.yaml; `rayfactory train rayfactory_config.yaml` repeats it.\n"
+        )
+        written = yaml.safe_load(f)
+    assert written["quantization_bit"] == 4 and written["deepspeed"] == {"zero_optimization": {"stage": 3}}
+    again = load_config(path)
+    assert again.resolved() == run.resolved()
+    assert again.notes == []
+
+
+def test_training_options_build_the_real_arguments():
+    from transformers import Seq2SeqTrainingArguments
+
+    run = load_config(write(LF_SFT_LORA))
+    args = run.training.build(bf16=False, use_cpu=True)  # bf16 needs a GPU: workers decide, not the parser
+    assert isinstance(args, Seq2SeqTrainingArguments)
+    assert (args.learning_rate, args.warmup_steps, args.gradient_accumulation_steps) == (1e-4, 0.1, 8)
+    assert args.lr_scheduler_type.value == "cosine"
+    assert args.report_to == []  # "none", the default we set, means no reporting integration
+    assert args.output_dir == run.training.output_dir
+
+
+# --- errors: one exact message per mistake -------------------------------------------------
+
+
+def test_unknown_key_names_file_and_closest_key():
+    path = write("model_name_or_path: m\noutput_dir: o\nlora_rnak: 16\n")
+    assert error_of(path) == (
+        "unknown key 'lora_rnak' in cfg.yaml; did you mean 'lora_rank'? RayFactory reads LLaMA-Factory "
+        "option names and transformers' TrainingArguments names; fix the spelling or remove the key."
+    )
+
+
+def test_unknown_key_without_a_close_match():
+    assert error_of({**BASE, "zzz_qqq": 1}).startswith("unknown key 'zzz_qqq' in the config dict. RayFactory")
+
+
+def test_wrong_type_names_key_value_and_expected_type():
+    assert error_of(write("model_name_or_path: m\noutput_dir: o\nlora_rank: 8.5\n")) == (
+        "wrong type for 'lora_rank' in cfg.yaml: got 8.5 (a number), expected an integer."
+    )
+    assert error_of({**BASE, "trust_remote_code": "maybe"}) == (
+        "wrong type for 'trust_remote_code' in the config dict: got 'maybe' (a string), expected true or false."
+    )
+    assert error_of({**BASE, "learning_rate": "fast"}) == (
+        "wrong type for 'learning_rate' in the config dict: got 'fast' (a string), expected a number."
+    )
+    assert error_of({**BASE, "resources_per_worker": 4}) == (
+        "wrong type for 'resources_per_worker' in the config dict: got 4 (a number), "
+        "expected a mapping (e.g. {CPU: 1, GPU: 1})."
+    )
+
+
+def test_data_type_errors_come_from_data_arguments_with_the_file():
+    assert error_of(write("model_name_or_path: m\noutput_dir: o\ncutoff_len: long\n")) == (
+        "Data arguments: cutoff_len is 'long'; expected a positive integer (the maximum tokens per example). "
+        "(in cfg.yaml)"
+    )
+
+
+def test_unknown_stage_suggests_the_closest():
+    assert error_of(write("model_name_or_path: m\noutput_dir: o\nstage: sfft\n")) == (
+        "wrong value for 'stage' in cfg.yaml: got 'sfft' (a string), expected one of 'pt', 'sft', 'rm', "
+        "'ppo', 'dpo', 'kto'; did you mean 'sft'?"
+    )
+
+
+def test_unknown_scheduler_is_checked_against_transformers():
+    message = error_of({**BASE, "lr_scheduler_type": "cosin"})
+    assert message.startswith("wrong value for 'lr_scheduler_type' in the config dict: got 'cosin' (a string), "
+                              "expected one of 'linear', 'cosine', ")
+    assert message.endswith("; did you mean 'cosine'?")
+
+
+def test_placement_strategy_is_case_sensitive():
+    assert error_of({**BASE, "placement_strategy": "spread"}) == (
+        "wrong value for 'placement_strategy' in the config dict: got 'spread' (a string), expected one of "
+        "'PACK', 'SPREAD', 'STRICT_PACK', 'STRICT_SPREAD'; did you mean 'SPREAD'?"
+    )
+
+
+@pytest.mark.parametrize("tuning", ["full", "freeze"])
+def test_quantization_needs_lora(tuning):
+    path = write(f"model_name_or_path: m\noutput_dir: o\nfinetuning_type: {tuning}\nquantization_bit: 4\n")
+    assert error_of(path) == (
+        f"quantization_bit 4 in cfg.yaml needs finetuning_type lora (that is QLoRA), but finetuning_type is "
+        f"'{tuning}': quantized weights cannot be trained directly. Use finetuning_type: lora, "
+        "or remove quantization_bit."
+    )
+
+
+def test_quantization_bit_must_be_4_or_8():
+    assert error_of({**BASE, "quantization_bit": 3}) == (
+        "wrong value for 'quantization_bit' in the config dict: got 3 (a number), expected one of 4, 8 or null."
+    )
+
+
+def test_pref_loss_outside_dpo():
+    assert error_of(write("model_name_or_path: m\noutput_dir: o\nstage: kto\npref_loss: orpo\n")) == (
+        "invalid pref_loss in cfg.yaml: pref_loss 'orpo' selects a preference objective inside stage dpo, "
+        "but stage is 'kto'. Set stage: dpo, or remove pref_loss."
+    )
+
+
+def test_neat_packing_with_packing_off():
+    assert error_of(write("model_name_or_path: m\noutput_dir: o\nneat_packing: true\npacking: false\n")) == (
+        "Data arguments: neat_packing: true needs packing, but packing is false. Remove packing: false "
+        "(neat_packing turns packing on). (in cfg.yaml)"
+    )
+    assert load_config({**BASE, "neat_packing": True}).data.packing is True  # LLaMA-Factory's meaning
+
+
+@pytest.mark.parametrize("extra, message", [
+    ({"lora_rank": 0}, "invalid lora_rank in the config dict: lora_rank must be at least 1, got 0. Try lora_rank: 8."),
+    ({"lora_dropout": 1.0}, "invalid lora_dropout in the config dict: lora_dropout must be in [0, 1), got 1.0."),
+    ({"finetuning_type": "full", "use_dora": True},
+     "invalid use_dora in the config dict: use_dora is a LoRA option, but finetuning_type is 'full'. Remove use_dora."),
+    ({"stage": "dpo", "pref_loss": "ipo", "dpo_label_smoothing": 0.1},
+     "invalid dpo_label_smoothing in the config dict: dpo_label_smoothing only applies to pref_loss sigmoid, "
+     "not 'ipo'. Remove it."),
+    ({"stage": "ppo"},
+     "invalid reward_model in the config dict: stage ppo needs reward_model (a reward model folder). "
+     "Set reward_model."),
+])
+def test_finetuning_rules(extra, message):
+    assert error_of({**BASE, **extra}) == message
+
+
+def test_generate_kwargs():
+    assert GeneratingArguments(do_sample=False).to_generate_kwargs() == {
+        "do_sample": False, "num_beams": 1, "max_new_tokens": 1024, "repetition_penalty": 1.0, "length_penalty": 1.0,
+    }
+
+
+def test_ray_num_workers_below_one():
+    assert error_of(dict(BASE), ["ray_num_workers=0"]) == (
+        "invalid ray_num_workers in command-line override 'ray_num_workers=0': ray_num_workers must be at "
+        "least 1, got 0. It is the number of Ray Train workers (one per GPU when resources_per_worker has GPU: 1)."
+    )
+
+
+def test_lowercase_gpu_resource():
+    assert error_of({**BASE, "resources_per_worker": {"gpu": 1}}) == (
+        "invalid resources_per_worker in the config dict: resources_per_worker names 'gpu'; Ray's resource "
+        "names are case-sensitive, so this would ask for a custom resource no node has. Write 'GPU'."
+    )
+
+
+def test_num_cpus_with_a_cluster_address():
+    assert error_of({**BASE, "ray_address": "10.0.0.1:6379", "ray_num_cpus": 8}).startswith(
+        "invalid ray_num_cpus in the config dict: ray_num_cpus sizes a local Ray, but ray_address joins"
+    )
+
+
+def test_deepspeed_file_missing(tmp_path):
+    assert error_of(write("model_name_or_path: m\noutput_dir: o\ndeepspeed: ds_z9.json\n")) == (
+        f"deepspeed config file 'ds_z9.json' from cfg.yaml not found (looked for {tmp_path / 'ds_z9.json'}; "
+        "relative paths start from the current directory). Fix the path or remove deepspeed."
+    )
+
+
+def test_resume_path_missing(tmp_path):
+    assert error_of({**BASE, "resume_from_checkpoint": "out/checkpoint-99"}) == (
+        "resume_from_checkpoint 'out/checkpoint-99' in the config dict does not exist (looked for "
+        f"{tmp_path / 'out/checkpoint-99'}). Point it at a checkpoint folder, or remove it."
+    )
+
+
+def test_required_keys():
+    assert error_of({"output_dir": "o"}) == (
+        "model_name_or_path is missing in the config dict. Set it to a model folder (or a hub id), "
+        "e.g. model_name_or_path: Qwen/Qwen2.5-0.5B-Instruct."
+    )
+    assert error_of(write("model_name_or_path: m\n")).startswith("output_dir is missing in cfg.yaml. Set the folder")
+
+
+def test_evaluation_needs_eval_data():
+    assert error_of({**BASE, "eval_strategy": "steps"}) == (
+        "eval_strategy is 'steps' in the config dict but there is nothing to evaluate on. Set val_size "
+        "(a fraction of the training data) or eval_dataset, or set eval_strategy: no."
+    )
+    assert load_config({**BASE, "eval_strategy": "steps", "val_size": 0.1}).training.eval_strategy == "steps"
+
+
+def test_bf16_and_fp16():
+    assert error_of({**BASE, "bf16": True, "fp16": True}) == (
+        "bf16 and fp16 are both true in the config dict. Pick one precision (bf16 on recent GPUs)."
+    )
+
+
+def test_warmup_ratio_and_steps_together():
+    assert error_of(write("model_name_or_path: m\noutput_dir: o\nwarmup_ratio: 0.1\nwarmup_steps: 5\n")) == (
+        "'warmup_ratio' in cfg.yaml and 'warmup_steps' in cfg.yaml set the same thing (warmup_ratio is "
+        "LLaMA-Factory's name for warmup_steps). Keep only one of them."
+    )
+
+
+def test_unsupported_llamafactory_feature():
+    assert load_config({**BASE, "use_galore": False}).notes == []  # listed but off: fine
+    assert error_of(write("model_name_or_path: m\noutput_dir: o\nuse_galore: true\n")) == (
+        "'use_galore' in cfg.yaml turns on a LLaMA-Factory feature that RayFactory does not support (yet). "
+        "Remove use_galore from the config."
+    )
+
+
+def test_multimodal_options_are_refused():
+    assert error_of(write("model_name_or_path: m\noutput_dir: o\nimage_max_pixels: 262144\n")) == (
+        "'image_max_pixels' in cfg.yaml is a LLaMA-Factory option for image, video or audio models; RayFactory "
+        "trains text-only models. Remove it (and use a text-only model and dataset)."
+    )
+
+
+def test_duplicate_yaml_key():
+    assert error_of(write("model_name_or_path: m\nlora_rank: 8\noutput_dir: o\nlora_rank: 16\n")) == (
+        "key 'lora_rank' appears twice in cfg.yaml (lines 2 and 4); YAML would silently keep only the last one. "
+        "Delete one of them."
+    )
+
+
+def test_invalid_yaml():
+    assert error_of(write("model_name_or_path: m\nlora_rank: [8\n")) == (
+        "cfg.yaml is not valid YAML: expected ',' or ']', but got '<stream end>' at line 3, column 1. "
+        "Fix the file's syntax."
+    )
+
+
+def test_missing_file(tmp_path):
+    assert error_of("nope.yaml") == (
+        f"config file nope.yaml not found (looked for {tmp_path / 'nope.yaml'}). Check the path; relative "
+        "paths start from the current directory."
+    )
+
+
+def test_top_level_must_be_a_mapping():
+    assert error_of(write("- lora_rank: 8\n")) == (
+        "config file cfg.yaml must be a mapping of option: value lines, but its top level is a list. "
+        "Write one option per line, e.g. lora_rank: 8."
+    )
+
+
+def test_ray_address_and_storage_resolution(monkeypatch, tmp_path):
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    assert RayArguments().resolved_address() is None  # start a local Ray
+    monkeypatch.setenv("RAY_ADDRESS", "http://127.0.0.1:8265")  # what `ray job submit` sets
+    assert RayArguments().resolved_address() == "http://127.0.0.1:8265"
+    assert RayArguments(ray_address="10.0.0.1:6379").resolved_address() == "10.0.0.1:6379"
+    assert RayArguments(ray_storage_path="runs").ray_storage_path == str(tmp_path / "runs")
+    assert RayArguments(ray_storage_path="s3://bucket/runs").ray_storage_path == "s3://bucket/runs"
