@@ -22,6 +22,7 @@ def launch_training(cfg, train_ds, eval_ds=None, callbacks=()) -> "ray.train.Res
         finetuning_args=cfg.finetuning,
         training_options=training,
         has_eval=eval_ds is not None,
+        use_cpu=not ray_args.uses_gpu,
         resume_from_checkpoint=training.resume_from_checkpoint,
         callbacks=list(callbacks),
     )

@@ -21,6 +21,7 @@ class WorkerPayload:
     finetuning_args: Any
     training_options: Any  # stages.args.TrainingOptions (built into real arguments on the worker)
     has_eval: bool = False
+    use_cpu: bool = True  # CPU workers must say so, or accelerate treats each one as a lone process
     resume_from_checkpoint: Optional[str] = None
     callbacks: list = field(default_factory=list)
 
@@ -40,7 +41,7 @@ def train_loop(config: dict) -> None:
 
     train = shard_to_hf_dataset("train")
     evaluation = shard_to_hf_dataset("eval") if payload.has_eval else None
-    training_args = payload.training_options.build()
+    training_args = payload.training_options.build(**({"use_cpu": True} if payload.use_cpu else {}))
     job = StageJob(
         model_args=payload.model_args,
         data_args=payload.data_args,

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import json
 
-from .slots import NamedToken, Slot, SpecialToken, fill
+from .slots import NamedToken, Slot, SpecialToken, fill, slots_to_text
 from .template import Template
 from .tools import FunctionCall, get_tool_format
 
@@ -81,8 +81,10 @@ def to_jinja(template: Template, tokenizer) -> str:
         "{%- elif message['role'] == 'assistant' -%}",
         _thinking_policy(template),
         "{%- if message['tool_calls'] is defined and message['tool_calls'] -%}",
+        _hoist_thought(template, tokenizer, function=True),
         _calls_block(template, tokenizer),
         "{%- else -%}",
+        _hoist_thought(template, tokenizer, function=False),
         _output(_expr(template.format_assistant.apply(_CONTENT), tokenizer)),
         "{%- endif -%}",
         "{%- else -%}",
@@ -174,6 +176,34 @@ def _thinking_policy(template: Template) -> str:
         "{%- if loop.last and not (" + start + " in content or " + end + " in content) -%}"
         + _output(_literal(template.empty_thought()))
         + "{%- endif -%}"
+    )
+
+
+def _hoist_thought(template: Template, tokenizer, function: bool) -> str:
+    """Most reply formatters keep a thought inside the content; some (gpt-oss) write it as its
+    own message in front of the reply's slots. Probe the formatter to learn which, and for the
+    latter emit the thought first and format only the rest."""
+    if not template.thought_words:
+        return ""
+    start, end = template.thought_words
+    thought = start + "\x01" + end
+    rest = json.dumps({"name": _NAME, "arguments": _ARGS}) if function else _CONTENT
+    try:
+        if function:
+            joined = template.format_function.apply(thought + rest, thought_words=template.thought_words)
+            alone = template.format_function.apply(rest, thought_words=template.thought_words)
+        else:
+            joined = template.format_assistant.apply(thought + rest)
+            alone = template.format_assistant.apply(rest)
+    except ValueError:
+        return ""
+    if slots_to_text(tokenizer, joined) != thought + slots_to_text(tokenizer, alone):
+        return ""  # the thought stays inside the content
+    return (
+        "{%- if content.startswith(" + _literal(start) + ") and " + _literal(end) + " in content -%}"
+        + _output("content.split(" + _literal(end) + ", 1)[0] + " + _literal(end))
+        + "{%- set content = content.split(" + _literal(end) + ", 1)[1] -%}"
+        "{%- endif -%}"
     )
 
 
