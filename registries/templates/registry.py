@@ -30,12 +30,16 @@ def register_template(
     replace_eos: bool = False,
     system_in_first_user: bool = False,
     notes: str = "",
+    assistant_formatter: StringFormatter | None = None,
+    function_formatter: FunctionFormatter | None = None,
 ) -> Template:
     """Declare a family's chat format.
 
     Unset parts default the way LLaMA-Factory's do: the assistant turn is ``content + eos``
     (just ``content`` with ``efficient_eos``), system and observation look like a user turn,
-    and a function call is written with the assistant's slots.
+    and a function call is written with the assistant's slots. A family whose turns need more
+    than slots (gpt-oss puts the thought before the reply's channel header) passes its own
+    ``assistant_formatter`` / ``function_formatter``.
     """
     if name in TEMPLATES:
         raise ValueError(f"Template {name!r} is already registered.")
@@ -44,9 +48,10 @@ def register_template(
     template = Template(
         name=name,
         format_user=StringFormatter(tuple(user)),
-        format_assistant=StringFormatter(tuple(assistant)),
+        format_assistant=assistant_formatter or StringFormatter(tuple(assistant)),
         format_system=StringFormatter(tuple(system if system is not None else ("{{content}}",))),
-        format_function=FunctionFormatter(tuple(function if function is not None else assistant), tool_format),
+        format_function=function_formatter
+        or FunctionFormatter(tuple(function if function is not None else assistant), tool_format),
         format_observation=StringFormatter(tuple(observation if observation is not None else user)),
         format_tools=ToolFormatter(tool_format),
         format_prefix=tuple(prefix),

@@ -70,6 +70,10 @@ class Template:
     def _message_slots(self, messages, system, tools) -> list[list[Slot]]:
         system = system or self.default_system
         tool_text = self.format_tools.apply(tools) if tools else ""
+        if not system:
+            # Tool blocks written to follow a system prompt open with a blank line; with no system
+            # prompt the families' own templates start the block directly (Qwen3, Qwen2.5 w/o default).
+            tool_text = tool_text.lstrip("\n")
         out = []
         for i, message in enumerate(messages):
             slots: list[Slot] = []

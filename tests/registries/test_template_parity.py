@@ -239,11 +239,7 @@ def test_tool_calls_and_results_equal_the_official_template(qwen3_tokenizer, nam
     assert call_reply == '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call><|im_end|>\n'
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="Known: without a system prompt Qwen3 writes '# Tools' right after 'system\\n'; the qwen tool "
-    "format always opens with a blank line ('\\n\\n# Tools'), made for Qwen2.5's default system prompt.",
-)
+# Without a system prompt Qwen3 starts the tool block right after 'system\n' (no blank line).
 @pytest.mark.parametrize(("name", "jinja"), [("qwen3", "qwen3"), ("qwen3_nothink", "qwen3_instruct_2507")])
 def test_qwen3_tools_without_system_prompt(qwen3_tokenizer, name, jinja):
     pairs = get_template(name).encode_multiturn(qwen3_tokenizer, TOOL_CHAT, None, json.dumps(TOOLS))

@@ -64,14 +64,19 @@ class _Call(FunctionFormatter):
         return ([thought] if thought else []) + super().apply(calls)
 
 
-_template = register_template(
+_REPLY_SLOTS = (FINAL_HEADER + "{{content}}<|return|>",)
+# harmony sends tool calls to the commentary channel and ends them with <|call|>
+_CALL_SLOTS = ("<|channel|>commentary<|message|>{{content}}<|call|>",)
+
+register_template(
     "gpt_oss",
     prefix=[_SYSTEM_BLOCK],
     system=["<|start|>developer<|message|># Instructions\n\n{{content}}\n\n<|end|>"],
     user=["<|start|>user<|message|>{{content}}<|end|><|start|>assistant"],
-    assistant=[FINAL_HEADER + "{{content}}<|return|>"],
-    # harmony sends tool calls to the commentary channel and ends them with <|call|>
-    function=["<|channel|>commentary<|message|>{{content}}<|call|>"],
+    assistant=_REPLY_SLOTS,
+    function=_CALL_SLOTS,
+    assistant_formatter=_Reply(_REPLY_SLOTS),
+    function_formatter=_Call(_CALL_SLOTS, "default"),
     thought_words=THOUGHT_WORDS,
     stop_words=["<|return|>", "<|call|>"],
     replace_eos=True,
@@ -82,13 +87,9 @@ _template = register_template(
         "gets an empty analysis message; tools use the default (ReAct) tool format in the developer "
         "message and calls go to the commentary channel as text, not harmony's TypeScript namespace "
         "and 'to=functions.NAME' headers. The thought comes before the reply slot (custom "
-        "formatters below), so contents written LLaMA-Factory's way, with "
+        "formatters above), so contents written LLaMA-Factory's way, with "
         "'<|end|><|start|>assistant<|channel|>final<|message|>' closing the thought, also work. "
         "LLaMA-Factory's gpt_oss has a short system message ('You are ChatGPT, ...') instead of "
         "the official system block."
     ),
 )
-# register_template builds plain formatters; the reply and call turns need the thought split
-# off in front of their slots (see _Reply), so they are swapped for the harmony-aware ones.
-_template.format_assistant = _Reply(_template.format_assistant.slots)
-_template.format_function = _Call(_template.format_function.slots, _template.format_function.tool_format)
