@@ -10,21 +10,20 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
-import enum
 import json
 import os
-import pathlib
-import types
 import typing
 from dataclasses import dataclass, field
 from functools import lru_cache
-from typing import Any, Literal, Union
+from typing import Any
 
 import yaml
 
 from fabric.args import RayArguments
 from registries.datasets.args import DataArguments
 from registries.datasets.errors import describe_type
+from .config_types import ConfigError, coerce_key
+from .lf_compat import apply_lf_compat
 from stages.args import (
     ArgumentError,
     FinetuningArguments,
@@ -44,8 +43,6 @@ GROUPS: dict[str, type] = {
 }
 
 
-class ConfigError(ValueError):
-    """A mistake in the user's config. The message is meant to be shown as is, without a traceback."""
 
 
 @dataclass
@@ -89,7 +86,7 @@ def load_config(path_or_dict: str | os.PathLike | dict | None = None, overrides:
         values[key] = value
         origin[key] = f"command-line override {text!r}"
     raw = dict(values)
-    notes = _apply_lf_compat(values, origin)
+    notes = apply_lf_compat(values, origin)
     grouped = _route(values, origin)
     run = RunConfig(
         model=_build("model", grouped["model"], origin, source),
@@ -229,7 +226,7 @@ def _route(values: dict[str, Any], origin: dict[str, str]) -> dict[str, dict[str
                 "and transformers' TrainingArguments names; fix the spelling or remove the key."
             )
         if group != "data":  # DataArguments checks its own values, with messages of its own
-            value = _coerce_key(key, value, _annotation(group, key), origin[key])
+            value = coerce_key(key, value, _annotation(group, key), origin[key])
         grouped[group][key] = value
     return grouped
 
@@ -253,243 +250,6 @@ def _build(group: str, kwargs: dict[str, Any], origin: dict[str, str], source: s
     except ValueError as exc:  # DataArguments' own checks (DataConfigError)
         where = sorted({origin[k] for k in kwargs}) or [source]
         raise ConfigError(f"{exc} (in {' / '.join(where)})") from None
-
-
-class _Mismatch(Exception):
-    def __init__(self, hint: str = ""):
-        self.hint = hint
-
-
-def _coerce_key(key: str, value: Any, annotation: Any, where: str) -> Any:
-    try:
-        return coerce(value, annotation)
-    except _Mismatch as exc:
-        kind = "value" if _is_choice(annotation) else "type"
-        hint = f"; {exc.hint}" if exc.hint else "."
-        raise ConfigError(
-            f"wrong {kind} for {key!r} in {where}: got {value!r} ({describe_type(value)}), "
-            f"expected {describe(annotation)}{hint}"
-        ) from None
-
-
-def coerce(value: Any, ann: Any) -> Any:
-    """``value`` as ``ann`` wants it. Numbers written as text ("1e-4", which YAML 1.1 reads as a
-    string) become numbers and a comma-separated string becomes a list; nothing else is guessed."""
-    origin, args = typing.get_origin(ann), typing.get_args(ann)
-    if ann is Any:
-        return value
-    if origin in (Union, types.UnionType):
-        return _coerce_union(value, args)
-    if origin is Literal:
-        for choice in args:
-            if value == choice and isinstance(value, bool) == isinstance(choice, bool):
-                return choice
-        raise _Mismatch(_suggest(value, args))
-    if ann is type(None):
-        if value is None:
-            return None
-        raise _Mismatch()
-    if ann is list or origin is list:
-        item = args[0] if args else Any
-        if isinstance(value, str):
-            value = [part.strip() for part in value.split(",")]
-        if not isinstance(value, (list, tuple)):
-            raise _Mismatch()
-        return [coerce(v, item) for v in value]
-    if ann is dict or origin is dict:
-        if isinstance(value, str):
-            try:
-                value = yaml.safe_load(value)
-            except yaml.YAMLError:
-                raise _Mismatch() from None
-        if not isinstance(value, dict) or not all(isinstance(k, str) for k in value):
-            raise _Mismatch()
-        item = args[1] if len(args) == 2 else Any
-        return {k: coerce(v, item) for k, v in value.items()}
-    if isinstance(ann, type) and issubclass(ann, enum.Enum):
-        members = [m.value for m in ann]
-        if value in members:
-            return value
-        raise _Mismatch(_suggest(value, members))
-    if ann is bool:
-        if isinstance(value, bool):
-            return value
-    elif ann is int:
-        return _as_number(value, integer=True)
-    elif ann is float:
-        return _as_number(value, integer=False)
-    elif ann is str or ann is pathlib.Path:
-        if isinstance(value, str):
-            return value
-        if isinstance(value, int) and not isinstance(value, bool):
-            return str(value)  # e.g. ray_run_name: 2024
-    elif isinstance(ann, type):
-        if isinstance(value, ann):
-            return value
-    else:
-        return value
-    raise _Mismatch()
-
-
-def _coerce_union(value: Any, arms: tuple) -> Any:
-    enum_arms = [a for a in arms if isinstance(a, type) and issubclass(a, enum.Enum)]
-    if enum_arms:  # "SchedulerType | str": transformers turns the str into the enum, so check it now
-        arms = tuple(a for a in arms if a is not str)
-    hints = []
-    for arm in arms:
-        try:
-            return coerce(value, arm)
-        except _Mismatch as exc:
-            hints.append(exc.hint)
-    raise _Mismatch(next((h for h in hints if h), ""))
-
-
-def _as_number(value: Any, integer: bool) -> int | float:
-    if isinstance(value, str):
-        try:
-            value = float(value) if any(c in value.lower() for c in ".en") else int(value)
-        except ValueError:
-            raise _Mismatch() from None
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise _Mismatch()
-    if integer:
-        if isinstance(value, float) and not value.is_integer():
-            raise _Mismatch()
-        return int(value)
-    return value  # an int is a fine float (num_train_epochs: 3); keeping it int keeps row counts exact
-
-
-def _is_choice(ann: Any) -> bool:
-    arms = typing.get_args(ann) if typing.get_origin(ann) in (Union, types.UnionType) else (ann,)
-    return any(typing.get_origin(a) is Literal or (isinstance(a, type) and issubclass(a, enum.Enum)) for a in arms)
-
-
-def describe(ann: Any) -> str:
-    """An annotation in words, as an error message wants it."""
-    origin, args = typing.get_origin(ann), typing.get_args(ann)
-    if origin in (Union, types.UnionType):
-        if any(isinstance(a, type) and issubclass(a, enum.Enum) for a in args):
-            args = tuple(a for a in args if a is not str)
-        return " or ".join(dict.fromkeys(describe(a) for a in args))
-    if origin is Literal:
-        return "one of " + ", ".join(repr(c) for c in args)
-    if isinstance(ann, type) and issubclass(ann, enum.Enum):
-        values = [m.value for m in ann]
-        shown = ", ".join(repr(v) for v in values[:12])
-        return f"one of {shown}" + (f" (and {len(values) - 12} more in {ann.__name__})" if len(values) > 12 else "")
-    if ann is list or origin is list:
-        item = args[0] if args else Any
-        plural = {str: "strings", int: "integers", float: "numbers"}.get(item, "values")
-        return f"a list of {plural} (or a comma-separated string)"
-    if ann is dict or origin is dict:
-        return "a mapping (e.g. {CPU: 1, GPU: 1})"
-    names = {bool: "true or false", int: "an integer", float: "a number", str: "a string",
-             pathlib.Path: "a path", type(None): "null", Any: "any value"}
-    if ann in names:
-        return names[ann]
-    return f"a {getattr(ann, '__name__', ann)} object (which a config file cannot express)"
-
-
-def _suggest(value: Any, choices: typing.Iterable[Any]) -> str:
-    if not isinstance(value, str):
-        return ""
-    texts = [c for c in choices if isinstance(c, str)]
-    same_case = [c for c in texts if c.lower() == value.lower()]
-    close = same_case or difflib.get_close_matches(value, texts, n=1, cutoff=0.6)
-    return f"did you mean {close[0]!r}?" if close else ""
-
-
-# --- LLaMA-Factory compatibility -----------------------------------------------------------
-
-# Keys LLaMA-Factory YAMLs carry that mean nothing here: accepted, dropped, and reported as a note.
-IGNORED_KEYS = {
-    "preprocessing_num_workers": "Ray Data sizes the preprocessing parallelism itself",
-    "preprocessing_batch_size": "Ray Data picks the preprocessing batch size",
-    "overwrite_output_dir": (
-        "transformers 5 removed it; output_dir is written into, and resuming needs resume_from_checkpoint"
-    ),
-    "disable_gradient_checkpointing": (
-        "gradient checkpointing is transformers' gradient_checkpointing option (off unless set)"
-    ),
-    "master_addr": "Ray Train sets up the process group",
-    "master_port": "Ray Train sets up the process group",
-    "ignore_pad_token_for_loss": "padding never counts in the loss",
-    "use_fast_tokenizer": "the fast tokenizer is always used",
-    "low_cpu_mem_usage": "transformers 5 always loads this way",
-    "data_shared_file_system": "Ray Data tokenizes once for all nodes",
-    "print_param_status": "the trainable-parameter count is always logged",
-    "hf_hub_token": "set HF_TOKEN in the environment instead (secrets stay out of saved configs)",
-}
-# LLaMA-Factory features not built here. Accepted only when off, so a YAML that lists them
-# still loads, and one that turns them on fails instead of quietly training something else.
-UNSUPPORTED_KEYS = (
-    "use_unsloth", "use_unsloth_gc", "enable_liger_kernel", "use_galore", "use_apollo", "use_badam",
-    "use_llama_pro", "use_adam_mini", "use_muon", "pissa_init", "pissa_convert", "use_dft_loss",
-    "use_asft_loss", "use_eaft_loss", "use_mca", "use_kt", "use_swanlab", "streaming", "shift_attn",
-    "mixture_of_depths", "rope_scaling", "loraplus_lr_ratio", "create_new_adapter", "add_tokens",
-    "add_special_tokens", "upcast_layernorm", "upcast_lmhead_output", "train_from_scratch",
-    "compute_accuracy", "pure_bf16", "media_dir", "fp8",
-)
-MULTIMODAL_KEYS = (
-    "image_max_pixels", "image_min_pixels", "video_max_pixels", "video_min_pixels", "video_fps",
-    "video_maxlen", "use_audio_in_video", "audio_sampling_rate", "freeze_vision_tower",
-    "freeze_multi_modal_projector", "freeze_language_model",
-)
-FLASH_ATTN = {"auto": None, "disabled": "eager", "sdpa": "sdpa", "fa2": "flash_attention_2", "fa3": "flash_attention_3"}
-
-
-def _apply_lf_compat(values: dict[str, Any], origin: dict[str, str]) -> list[str]:
-    """Drop ignored keys and translate LLaMA-Factory spellings in place; return the notes."""
-    notes = []
-    for key in list(values):
-        if key in IGNORED_KEYS:
-            values.pop(key)
-            notes.append(f"ignored {key!r} from {origin[key]}: {IGNORED_KEYS[key]}.")
-        elif key in UNSUPPORTED_KEYS and values.pop(key) not in (None, False):
-            raise ConfigError(
-                f"{key!r} in {origin[key]} turns on a LLaMA-Factory feature that RayFactory does not "
-                f"support (yet). Remove {key} from the config."
-            )
-        elif key in MULTIMODAL_KEYS:
-            raise ConfigError(
-                f"{key!r} in {origin[key]} is a LLaMA-Factory option for image, video or audio models; "
-                "RayFactory trains text-only models. Remove it (and use a text-only model and dataset)."
-            )
-
-    def move(old: str, old_value: Any, new: str, value: Any) -> None:
-        if new in values:
-            raise ConfigError(
-                f"{old!r} in {origin[old]} and {new!r} in {origin[new]} set the same thing "
-                f"({old} is LLaMA-Factory's name for {new}). Keep only one of them."
-            )
-        values[new] = value
-        origin[new] = origin[old]
-        notes.append(f"translated {old}: {old_value!r} to {new}: {value!r}.")
-
-    if values.get("finetuning_type") == "qlora":  # LLaMA-Factory spells QLoRA as lora + quantization_bit
-        values["finetuning_type"] = "lora"
-        if values.get("quantization_bit") is None:
-            values["quantization_bit"] = 4
-            origin["quantization_bit"] = origin["finetuning_type"]
-        notes.append(f"finetuning_type qlora means lora with quantization_bit {values['quantization_bit']}.")
-    if "warmup_ratio" in values:  # transformers 5 folded it into warmup_steps: a float below 1 is a ratio
-        ratio = _coerce_key("warmup_ratio", values.pop("warmup_ratio"), float, origin["warmup_ratio"])
-        if not 0 <= ratio < 1:
-            raise ConfigError(
-                f"warmup_ratio is {ratio} in {origin['warmup_ratio']}; it must be in [0, 1) (a fraction of "
-                "the training steps). For a step count use warmup_steps."
-            )
-        move("warmup_ratio", ratio, "warmup_steps", float(ratio))
-    if "flash_attn" in values:
-        choice = values.pop("flash_attn")
-        if choice not in FLASH_ATTN:
-            raise ConfigError(
-                f"wrong value for 'flash_attn' in {origin['flash_attn']}: got {choice!r}, expected one of "
-                f"{', '.join(map(repr, FLASH_ATTN))}; or set attn_implementation instead."
-            )
-        if FLASH_ATTN[choice] is not None:
-            move("flash_attn", choice, "attn_implementation", FLASH_ATTN[choice])
-    return notes
 
 
 # --- rules across groups, and paths made absolute for workers on other machines -----------------
@@ -567,5 +327,4 @@ def _absolute_if_local(path: str | None) -> str | None:
     return _absolute(path) if path and os.path.exists(os.path.expanduser(path)) else path
 
 
-__all__ = ["ConfigError", "RESOLVED_CONFIG_NAME", "RunConfig", "coerce", "describe", "key_owners",
-           "load_config", "parse_override"]
+__all__ = ["ConfigError", "RESOLVED_CONFIG_NAME", "RunConfig", "key_owners", "load_config", "parse_override"]

@@ -17,7 +17,7 @@ from typing import Optional
 
 import ray
 
-from registries.datasets.aligner import aligned_table, align_batch, bad_rows_batch, skip_report
+from registries.datasets.aligner import align_batch, aligned_table, bad_rows_batch
 from registries.datasets.errors import DatasetRowError
 from registries.datasets.info import get_dataset_attrs
 from registries.datasets.readers import read_table

@@ -41,6 +41,8 @@ def train_loop(config: dict) -> None:
 
     train = shard_to_hf_dataset("train")
     evaluation = shard_to_hf_dataset("eval") if payload.has_eval else None
+    if payload.training_options.values.get("deepspeed"):
+        _join_deepspeed_comm(payload.use_cpu)
     training_args = payload.training_options.build(**({"use_cpu": True} if payload.use_cpu else {}))
     job = StageJob(
         model_args=payload.model_args,
@@ -83,6 +85,15 @@ def _resume_point(payload: WorkerPayload) -> Optional[str]:
 
         return get_last_checkpoint(payload.training_options.output_dir)
     return resume or None
+
+
+def _join_deepspeed_comm(use_cpu: bool) -> None:
+    """Hand DeepSpeed the process group Ray Train already set up. Without this, ZeRO-3's
+    zero.Init (inside from_pretrained, before the Trainer exists) sees no DeepSpeed comm, takes
+    world_size 1 and rejects the train_batch_size that HF computed for all workers."""
+    import deepspeed.comm
+
+    deepspeed.comm.init_distributed(dist_backend="gloo" if use_cpu else "nccl", auto_mpi_discovery=False)
 
 
 def _limit_threads() -> None:

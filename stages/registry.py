@@ -2,15 +2,23 @@
 
 from __future__ import annotations
 
+import importlib
 from typing import Callable
+
+# stage -> "module:function" inside stages/, imported only by the workers that run it
+_RUNNERS = {
+    "pt": "causal_lm:run_causal_lm",
+    "sft": "causal_lm:run_causal_lm",
+    "rm": "rm:run_rm",
+    "dpo": "dpo:run_dpo",
+    "kto": "kto:run_kto",
+}
 
 
 def get_stage_runner(stage: str) -> Callable:
-    if stage in ("pt", "sft"):
-        from .causal_lm import run_causal_lm
-
-        return run_causal_lm
-    raise ValueError(
-        f"stage {stage!r} is not available yet; this version trains pt and sft "
-        "(rm, dpo, kto and ppo are on the roadmap)."
-    )
+    if stage not in _RUNNERS:
+        raise ValueError(
+            f"stage {stage!r} cannot be trained yet; available: {', '.join(_RUNNERS)} (ppo is on the roadmap)."
+        )
+    module, function = _RUNNERS[stage].split(":")
+    return getattr(importlib.import_module(f"stages.{module}"), function)

@@ -9,15 +9,8 @@ import textwrap
 import pytest
 import yaml
 
-from cluster.config import (
-    IGNORED_KEYS,
-    MULTIMODAL_KEYS,
-    UNSUPPORTED_KEYS,
-    ConfigError,
-    key_owners,
-    load_config,
-    parse_override,
-)
+from cluster.config import ConfigError, key_owners, load_config, parse_override
+from cluster.lf_compat import IGNORED_KEYS, MULTIMODAL_KEYS, UNSUPPORTED_KEYS
 from fabric.args import RayArguments
 from registries.datasets.args import DataArguments
 from stages.args import FinetuningArguments, GeneratingArguments, ModelArguments, trainer_fields

@@ -188,8 +188,8 @@ CASES: dict[str, Case] = {
         DS_BOS,
         DS_EOS,
         (),
-        f"{DS_BOS}Be brief.\n\nUser: What is 2+2?\n\nAssistant:4.{DS_EOS}User: And 3+3?\n\nAssistant:6.{DS_EOS}",
-        (f"4.{DS_EOS}", f"6.{DS_EOS}"),
+        f"{DS_BOS}Be brief.\n\nUser: What is 2+2?\n\nAssistant: 4.{DS_EOS}User: And 3+3?\n\nAssistant: 6.{DS_EOS}",
+        (f" 4.{DS_EOS}", f" 6.{DS_EOS}"),
     ),
     "deepseekcoder": Case(
         DS_BOS,

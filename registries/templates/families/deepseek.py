@@ -1,15 +1,19 @@
 """DeepSeek families: the v1/v2 chat format, DeepSeek-Coder, and the V3 / R1 marker format."""
 
 from ..registry import register_template
-from ..slots import BOS
+from ..slots import BOS, EOS
 
 # DeepSeek LLM / V2 chat. The official template writes "Assistant: " + reply; the generation
 # prompt (and so this template) ends at "Assistant:".
 register_template(
     "deepseek",
     user=["User: {{content}}\n\nAssistant:"],
+    # DeepSeek-LLM's own template writes 'Assistant: ' + reply: the space belongs to the reply,
+    # since generation starts right after 'Assistant:'.
+    assistant=[" {{content}}", EOS],
     system=["{{content}}\n\n"],
     prefix=[BOS],
+    notes="The reply starts with a space, as DeepSeek-LLM's template renders it (LLaMA-Factory omits it).",
 )
 
 register_template(

@@ -1,0 +1,98 @@
+"""LLaMA-Factory compatibility: its keys that mean nothing here, features we refuse, and
+spellings we translate, so its YAML files load unchanged."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from .config_types import ConfigError, coerce_key
+
+# Keys LLaMA-Factory YAMLs carry that mean nothing here: accepted, dropped, and reported as a note.
+IGNORED_KEYS = {
+    "preprocessing_num_workers": "Ray Data sizes the preprocessing parallelism itself",
+    "preprocessing_batch_size": "Ray Data picks the preprocessing batch size",
+    "overwrite_output_dir": (
+        "transformers 5 removed it; output_dir is written into, and resuming needs resume_from_checkpoint"
+    ),
+    "disable_gradient_checkpointing": (
+        "gradient checkpointing is transformers' gradient_checkpointing option (off unless set)"
+    ),
+    "master_addr": "Ray Train sets up the process group",
+    "master_port": "Ray Train sets up the process group",
+    "ignore_pad_token_for_loss": "padding never counts in the loss",
+    "use_fast_tokenizer": "the fast tokenizer is always used",
+    "low_cpu_mem_usage": "transformers 5 always loads this way",
+    "data_shared_file_system": "Ray Data tokenizes once for all nodes",
+    "print_param_status": "the trainable-parameter count is always logged",
+    "hf_hub_token": "set HF_TOKEN in the environment instead (secrets stay out of saved configs)",
+}
+# LLaMA-Factory features not built here. Accepted only when off, so a YAML that lists them
+# still loads, and one that turns them on fails instead of quietly training something else.
+UNSUPPORTED_KEYS = (
+    "use_unsloth", "use_unsloth_gc", "enable_liger_kernel", "use_galore", "use_apollo", "use_badam",
+    "use_llama_pro", "use_adam_mini", "use_muon", "pissa_init", "pissa_convert", "use_dft_loss",
+    "use_asft_loss", "use_eaft_loss", "use_mca", "use_kt", "use_swanlab", "streaming", "shift_attn",
+    "mixture_of_depths", "rope_scaling", "loraplus_lr_ratio", "create_new_adapter", "add_tokens",
+    "add_special_tokens", "upcast_layernorm", "upcast_lmhead_output", "train_from_scratch",
+    "compute_accuracy", "pure_bf16", "media_dir", "fp8",
+)
+MULTIMODAL_KEYS = (
+    "image_max_pixels", "image_min_pixels", "video_max_pixels", "video_min_pixels", "video_fps",
+    "video_maxlen", "use_audio_in_video", "audio_sampling_rate", "freeze_vision_tower",
+    "freeze_multi_modal_projector", "freeze_language_model",
+)
+FLASH_ATTN = {"auto": None, "disabled": "eager", "sdpa": "sdpa", "fa2": "flash_attention_2", "fa3": "flash_attention_3"}
+
+
+def apply_lf_compat(values: dict[str, Any], origin: dict[str, str]) -> list[str]:
+    """Drop ignored keys and translate LLaMA-Factory spellings in place; return the notes."""
+    notes = []
+    for key in list(values):
+        if key in IGNORED_KEYS:
+            values.pop(key)
+            notes.append(f"ignored {key!r} from {origin[key]}: {IGNORED_KEYS[key]}.")
+        elif key in UNSUPPORTED_KEYS and values.pop(key) not in (None, False):
+            raise ConfigError(
+                f"{key!r} in {origin[key]} turns on a LLaMA-Factory feature that RayFactory does not "
+                f"support (yet). Remove {key} from the config."
+            )
+        elif key in MULTIMODAL_KEYS:
+            raise ConfigError(
+                f"{key!r} in {origin[key]} is a LLaMA-Factory option for image, video or audio models; "
+                "RayFactory trains text-only models. Remove it (and use a text-only model and dataset)."
+            )
+
+    def move(old: str, old_value: Any, new: str, value: Any) -> None:
+        if new in values:
+            raise ConfigError(
+                f"{old!r} in {origin[old]} and {new!r} in {origin[new]} set the same thing "
+                f"({old} is LLaMA-Factory's name for {new}). Keep only one of them."
+            )
+        values[new] = value
+        origin[new] = origin[old]
+        notes.append(f"translated {old}: {old_value!r} to {new}: {value!r}.")
+
+    if values.get("finetuning_type") == "qlora":  # LLaMA-Factory spells QLoRA as lora + quantization_bit
+        values["finetuning_type"] = "lora"
+        if values.get("quantization_bit") is None:
+            values["quantization_bit"] = 4
+            origin["quantization_bit"] = origin["finetuning_type"]
+        notes.append(f"finetuning_type qlora means lora with quantization_bit {values['quantization_bit']}.")
+    if "warmup_ratio" in values:  # transformers 5 folded it into warmup_steps: a float below 1 is a ratio
+        ratio = coerce_key("warmup_ratio", values.pop("warmup_ratio"), float, origin["warmup_ratio"])
+        if not 0 <= ratio < 1:
+            raise ConfigError(
+                f"warmup_ratio is {ratio} in {origin['warmup_ratio']}; it must be in [0, 1) (a fraction of "
+                "the training steps). For a step count use warmup_steps."
+            )
+        move("warmup_ratio", ratio, "warmup_steps", float(ratio))
+    if "flash_attn" in values:
+        choice = values.pop("flash_attn")
+        if choice not in FLASH_ATTN:
+            raise ConfigError(
+                f"wrong value for 'flash_attn' in {origin['flash_attn']}: got {choice!r}, expected one of "
+                f"{', '.join(map(repr, FLASH_ATTN))}; or set attn_implementation instead."
+            )
+        if FLASH_ATTN[choice] is not None:
+            move("flash_attn", choice, "attn_implementation", FLASH_ATTN[choice])
+    return notes
