@@ -70,8 +70,11 @@ def _user_error_message(exc: BaseException) -> str | None:
 
     Errors raised inside Ray tasks arrive wrapped (RayTaskError keeps the original as ``cause``);
     the wrapper's text carries a remote traceback, so show the original's message instead.
+    Ray Train's ``WorkerGroupError`` (from ``trainer.fit()``) keeps each failed rank's original
+    exception in ``worker_failures``; every rank usually fails alike, so the lowest rank's is shown.
     """
     from registries.datasets.errors import DataConfigError, DatasetRowError
+    from stages.adapters import AdapterError
 
     from .config import ConfigError
 
@@ -80,7 +83,13 @@ def _user_error_message(exc: BaseException) -> str | None:
         found = _user_error_message(cause)
         if found is not None:
             return found
-    if isinstance(exc, (ConfigError, DataConfigError, DatasetRowError)):
+    failures = getattr(exc, "worker_failures", None)
+    if isinstance(failures, dict):
+        for rank in sorted(failures):
+            found = _user_error_message(failures[rank])
+            if found is not None:
+                return found
+    if isinstance(exc, (ConfigError, DataConfigError, DatasetRowError, AdapterError)):
         return str(exc)
     return None
 

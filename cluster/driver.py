@@ -30,10 +30,9 @@ def run_exp(
     shipped to every worker (the Python API's hook; the YAML has no such key)."""
     cfg = config if isinstance(config, RunConfig) else load_config(config, list(overrides))
 
-    from fabric.data_pipeline import prepare_datasets
+    from fabric.data_pipeline import check_data, prepare_datasets
     from fabric.launcher import launch_training
     from fabric.ray_session import connect
-    from stages.loading import load_tokenizer_and_template
 
     output_dir = cfg.training.output_dir
     os.makedirs(output_dir, exist_ok=True)
@@ -41,10 +40,12 @@ def run_exp(
     for note in cfg.notes:
         print(f"[rayfactory] note: {note}", flush=True)
 
+    # Mistakes that need no cluster fail before Ray starts: model path, template, datasets.
+    # The driver tokenizes (through Ray Data) with the very tokenizer and template the workers load.
+    tokenizer, template = _load_tokenizer_and_template(cfg)
+    check_data(cfg)
     resources = connect(cfg.ray)
     _check_resources(cfg, resources)
-    # The driver tokenizes (through Ray Data) with the very tokenizer and template the workers load.
-    tokenizer, template = load_tokenizer_and_template(cfg.model, cfg.data)
     data = prepare_datasets(cfg, tokenizer, template)
     result = launch_training(cfg, data.train, data.eval, callbacks)
     if result.error is not None:
@@ -52,6 +53,41 @@ def run_exp(
     checkpoint = result.checkpoint.path if result.checkpoint is not None else None
     print(f"[rayfactory] done: outputs in {os.path.abspath(output_dir)}", flush=True)
     return RunResult(os.path.abspath(output_dir), dict(result.metrics or {}), checkpoint, data.stats)
+
+
+def _load_tokenizer_and_template(cfg: RunConfig):
+    """The tokenizer and template, or a ConfigError that says which setting is wrong."""
+    from registries.templates import get_template
+    from registries.templates.autodetect import AUTO
+    from stages.loading import load_tokenizer_and_template
+
+    path = cfg.model.model_name_or_path
+    if _looks_local(path) and not os.path.exists(os.path.expanduser(path)):
+        # Checked here: transformers would take a missing path for a hub id and retry the hub.
+        raise ConfigError(
+            f"model_name_or_path {path!r} does not exist (looked for {os.path.abspath(os.path.expanduser(path))}). "
+            "Point it at a model folder, use a hub id such as Qwen/Qwen2.5-0.5B-Instruct, or tiny:qwen2 "
+            "for a tiny test model."
+        )
+    if cfg.data.template not in (None, AUTO):
+        try:
+            get_template(cfg.data.template)
+        except ValueError as exc:  # the only error get_template raises: an unknown name
+            raise ConfigError(f"template: {exc}") from None
+    try:
+        return load_tokenizer_and_template(cfg.model, cfg.data)
+    except OSError as exc:  # transformers: no tokenizer files there, or the hub cannot serve the id
+        raise ConfigError(
+            f"cannot load the tokenizer of model_name_or_path {path!r}: {exc} Check the folder or hub id "
+            "(a hub id needs network access or a filled Hugging Face cache)."
+        ) from None
+
+
+def _looks_local(path: str) -> bool:
+    """A filesystem path rather than a hub id ('name' or 'org/name') or tiny:<family>."""
+    if "://" in path or path.startswith("tiny:"):
+        return False
+    return path.startswith(("/", "./", "../", "~", ".\\")) or path.count("/") > 1 or "\\" in path
 
 
 def _check_resources(cfg: RunConfig, resources: dict) -> None:

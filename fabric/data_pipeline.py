@@ -1,32 +1,37 @@
-"""Ray Data: read -> align -> tokenize + mask (map_batches over the cluster) -> split.
+"""Ray Data: read -> align (map_batches) -> mix -> split -> tokenize + mask (map_batches).
 
-The registries do the work (pure functions over column batches); this module only decides where
-it runs. Rows keep their file order end to end, so the result equals running the same functions
-in one process.
+The registries do the work (pure functions over column batches, seeded index plans for mixing
+and splitting); this module only decides where it runs. Rows keep their file order end to end,
+so the result equals running the same functions in one process (tests/e2e/test_data_pipeline.py).
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
+import itertools
 import json
 import logging
 import os
+import shutil
 import time
 from dataclasses import dataclass
 from typing import Optional
 
 import ray
+from ray.exceptions import UserCodeException
 
-from registries.datasets.aligner import align_batch, aligned_table, bad_rows_batch
-from registries.datasets.errors import DatasetRowError
+from registries.datasets.aligner import ALIGNED_COLUMNS, align_batch, aligned_table, bad_rows_batch
+from registries.datasets.errors import DataConfigError, DatasetRowError
 from registries.datasets.info import get_dataset_attrs
-from registries.datasets.readers import read_table
+from registries.datasets.mixing import mix_plan, split_plan
+from registries.datasets.readers import data_files, read_table
 from registries.datasets.stage_fields import check_stage_fields
 from registries.tokenize import get_preprocess_fn
 
 logger = logging.getLogger(__name__)
 
-BATCH_SIZE = 512  # rows per map_batches call; also the window sft packing fills sequences from
+BATCH_SIZE = 512  # rows per tokenize call; also the window sft packing and pt blocks fill sequences from
 
 
 @dataclass
@@ -36,24 +41,40 @@ class PreparedData:
     stats: dict
 
 
+def check_data(cfg) -> None:
+    """The data mistakes that need no row read, raised before Ray starts any work: a dataset name
+    dataset_info.json lacks, a missing file, a dataset that does not fit the stage (dpo on
+    single answers). A reusable tokenized_path needs none of it."""
+    data_args = cfg.data
+    if _reuses_cache(data_args):
+        return
+    if not data_args.dataset:
+        raise DataConfigError(
+            "Data arguments: dataset is not set, so there is nothing to train on. Set dataset to one or more "
+            f"names from {os.path.join(data_args.dataset_dir, 'dataset_info.json')}, e.g. dataset: arith_train."
+        )
+    attrs = get_dataset_attrs(data_args.dataset, data_args.dataset_dir)
+    attrs += get_dataset_attrs(data_args.eval_dataset, data_args.dataset_dir)
+    check_stage_fields(attrs, cfg.finetuning.stage)
+    for attr in attrs:
+        if attr.load_from == "file":
+            data_files(attr)  # names the missing file or folder
+
+
 def prepare_datasets(cfg, tokenizer, template) -> PreparedData:
-    """Tokenized train (and eval) datasets, from ``tokenized_path`` when it already holds them."""
+    """Tokenized train (and eval) datasets, from ``tokenized_path`` when it already holds them.
+
+    Equal, row for row, to the in-process path: ``load_aligned`` (read, align, mix, split) and
+    then the stage's preprocess function over consecutive windows of BATCH_SIZE aligned rows.
+    """
     data_args = cfg.data
     fingerprint = _fingerprint(cfg, tokenizer, template)
-    if data_args.tokenized_path and not data_args.overwrite_cache and _has_cache(data_args.tokenized_path):
+    if _reuses_cache(data_args):
         return _load_cache(data_args.tokenized_path, fingerprint)
 
     started = time.time()
-    stage, seed = cfg.finetuning.stage, cfg.training.seed
-    preprocess = get_preprocess_fn(stage, tokenizer, template, data_args)
-    train = _tokenized(data_args.dataset, data_args, stage, seed, preprocess)
-    evaluation = None
-    if data_args.eval_dataset:
-        evaluation = _tokenized(data_args.eval_dataset, data_args, stage, seed, preprocess)
-    elif data_args.val_size:
-        test_size = data_args.val_size if data_args.val_size < 1 else int(data_args.val_size)
-        train, evaluation = train.train_test_split(test_size=test_size, shuffle=True, seed=seed)
-        train, evaluation = train.materialize(), evaluation.materialize()
+    with _data_errors_whole():
+        train, evaluation = _tokenized_splits(cfg, tokenizer, template)
     stats = {"train_examples": train.count(), "eval_examples": evaluation.count() if evaluation else 0}
     logger.info("preprocessing done in %.1fs: %s", time.time() - started, stats)
     print(f"[rayfactory] data ready in {time.time() - started:.1f}s: {stats}", flush=True)
@@ -62,17 +83,36 @@ def prepare_datasets(cfg, tokenizer, template) -> PreparedData:
     return PreparedData(train, evaluation, stats)
 
 
-def _tokenized(names, data_args, stage, seed, preprocess) -> "ray.data.Dataset":
-    """Every named dataset aligned, mixed, then tokenized; materialized so training starts from
-    blocks in the object store instead of competing with a running pipeline for CPUs."""
+def _tokenized_splits(cfg, tokenizer, template) -> tuple:
+    data_args, stage, seed = cfg.data, cfg.finetuning.stage, cfg.training.seed
+    preprocess = get_preprocess_fn(stage, tokenizer, template, data_args)
+    train = _aligned_mixed(data_args.dataset, data_args, stage, seed)
+    evaluation = _aligned_mixed(data_args.eval_dataset, data_args, stage, seed) if data_args.eval_dataset else None
+    if data_args.val_size:
+        # Split aligned rows by the registries' seeded plan, as load_aligned does: the same seed
+        # picks the same rows, and packing never puts a train and an eval example in one sequence.
+        train, evaluation = _split(train, data_args.val_size, seed)
+    return _tokenized(train, preprocess), _tokenized(evaluation, preprocess) if evaluation is not None else None
+
+
+def _aligned_mixed(names, data_args, stage, seed) -> "ray.data.Dataset":
+    """Every named dataset read and aligned (in Ray tasks), then mixed."""
     attrs = get_dataset_attrs(names, data_args.dataset_dir)
     check_stage_fields(attrs, stage)  # before any work: dpo/rm need ranking, kto a kto_tag column
-    aligned = [_aligned(attr, data_args, seed) for attr in attrs]
-    mixed = _mix(aligned, data_args, seed)
-    tokenized = mixed.map_batches(
-        functools.partial(_tokenize_block, preprocess=preprocess), batch_size=BATCH_SIZE, batch_format="pyarrow"
+    return _mix([_run(_aligned(attr, data_args, seed)) for attr in attrs], data_args, seed)
+
+
+def _tokenized(rows, preprocess) -> "ray.data.Dataset":
+    """Tokenize in windows of exactly BATCH_SIZE rows (the last may be shorter): sft packing and pt
+    blocks fill sequences within one window, so the windows must not depend on how Ray happened
+    to cut blocks. Materialized, so training starts from blocks in the object store instead of
+    competing with a running pipeline for CPUs."""
+    windows = rows.repartition(target_num_rows_per_block=BATCH_SIZE, strict=True)
+    return _run(
+        windows.map_batches(
+            functools.partial(_tokenize_block, preprocess=preprocess), batch_size=BATCH_SIZE, batch_format="pyarrow"
+        )
     )
-    return _run(tokenized)
 
 
 def _aligned(attr, data_args, seed) -> "ray.data.Dataset":
@@ -80,8 +120,13 @@ def _aligned(attr, data_args, seed) -> "ray.data.Dataset":
     if data_args.skip_bad_rows:
         bad = _run(raw.map_batches(functools.partial(_bad_rows_block, attr=attr), batch_format="pyarrow"))
         if bad.count():
-            rows = bad.take(5)
-            print(f"[rayfactory] dataset {attr.name!r}: {_skipped_summary(rows, bad.count(), raw.count())}", flush=True)
+            rows, total = bad.take(5), raw.count()
+            if bad.count() == total:  # as load_aligned: skipping every row means the entry is wrong
+                raise DataConfigError(
+                    f"Dataset {attr.name!r}: all {total} rows were bad and skipped, e.g. {rows[0]['_error']}. "
+                    f"Check its entry in {attr.info_path} (formatting, columns, tags)."
+                )
+            print(f"[rayfactory] dataset {attr.name!r}: {_skipped_summary(rows, bad.count(), total)}", flush=True)
     return raw.map_batches(
         functools.partial(_align_block, attr=attr, skip_bad_rows=data_args.skip_bad_rows), batch_format="pyarrow"
     )
@@ -92,31 +137,92 @@ def _mix(datasets: list, data_args, seed) -> "ray.data.Dataset":
         return datasets[0]
     if data_args.mix_strategy == "concat":
         return datasets[0].union(*datasets[1:])
-    # Interleaving needs every dataset's length and a seeded draw across them: small index work
-    # on the driver, done by the registries' mixer over the aligned rows.
-    from registries.datasets.mixing import interleave
+    # Interleaving is a seeded plan over the datasets' lengths (the registries' mix_plan, which
+    # load_aligned uses too); aligned rows are small text, so the driver applies it.
+    plan = mix_plan([ds.count() for ds in datasets], data_args.mix_strategy, data_args.interleave_probs, seed)
+    tables = [_to_table(ds) for ds in datasets]
+    offsets = list(itertools.accumulate([0] + [t.num_rows for t in tables]))
+    return ray.data.from_arrow(_concat(tables).take([offsets[d] + r for d, r in plan]))
 
-    rows = [ds.take_all() for ds in _run_all(datasets)]
-    mixed = interleave(rows, data_args.interleave_probs, data_args.mix_strategy, seed)
-    return ray.data.from_arrow(aligned_table({k: [r[k] for r in mixed] for k in mixed[0]}))
+
+def _split(rows, val_size, seed) -> tuple:
+    train_rows, val_rows = split_plan(rows.count(), val_size, seed)
+    table = _to_table(rows)
+    return ray.data.from_arrow(table.take(train_rows)), ray.data.from_arrow(table.take(val_rows))
 
 
+def _to_table(dataset):
+    """A materialized dataset's rows as one pyarrow Table on the driver, in order."""
+    return _concat(ray.get(dataset.to_arrow_refs()))
+
+
+def _concat(tables):
+    import pyarrow as pa
+
+    return pa.concat_tables(tables) if tables else aligned_table({name: [] for name in ALIGNED_COLUMNS})
+
+
+class _DataError(UserCodeException):
+    """A user's data mistake raised in a Ray Data task, carried whole to the driver.
+
+    Ray Data wraps a UDF's exception in a UserCodeException that is pickled without its cause,
+    so the driver would only see "UDF failed to process a data block" and a remote traceback.
+    With ``raise_original_map_exception`` (see ``_data_errors_whole``) it passes this one on as
+    is; being a UserCodeException, Ray Data still reports it as the user's, not as its own bug.
+    """
+
+    def __init__(self, error: Exception):
+        super().__init__(str(error))
+        self.error = error
+
+    def __reduce__(self):
+        return (_DataError, (self.error,))
+
+
+def _udf(fn):
+    @functools.wraps(fn)
+    def run(*args, **kwargs):
+        try:
+            return fn(*args, **kwargs)
+        except (DatasetRowError, DataConfigError) as err:
+            raise _DataError(err) from None
+        except Exception as err:  # what Ray Data itself does without raise_original_map_exception
+            raise UserCodeException("UDF failed to process a data block.") from err
+
+    return run
+
+
+@contextlib.contextmanager
+def _data_errors_whole():
+    """Datasets created inside capture this setting (each copies the current DataContext)."""
+    context = ray.data.DataContext.get_current()
+    saved = context.raise_original_map_exception
+    context.raise_original_map_exception = True
+    try:
+        yield
+    finally:
+        context.raise_original_map_exception = saved
+
+
+@_udf
 def _align_block(table, attr, skip_bad_rows):
     return aligned_table(align_batch(table.to_pydict(), attr, skip_bad_rows))
 
 
+@_udf
 def _bad_rows_block(table, attr):
     import pyarrow as pa
 
     return pa.table(bad_rows_batch(table.to_pydict(), attr))
 
 
+@_udf
 def _tokenize_block(table, preprocess):
     return preprocess(table.to_pydict())
 
 
 def _skipped_summary(rows, bad_count, total) -> str:
-    shown = "; ".join(f"row {r['_source_row']} of {r['_source_file']}: {r['_error']}" for r in rows)
+    shown = "; ".join(r["_error"] for r in rows)  # each names its row, file and dataset
     more = f"; and {bad_count - len(rows)} more" if bad_count > len(rows) else ""
     return f"skipped {bad_count} of {total} rows (skip_bad_rows is on): {shown}{more}."
 
@@ -126,14 +232,16 @@ def _run(dataset) -> "ray.data.Dataset":
     try:
         return dataset.materialize()
     except ray.exceptions.RayTaskError as err:
-        cause = err.cause if isinstance(getattr(err, "cause", None), Exception) else None
-        if isinstance(cause, (DatasetRowError, ValueError)):
+        cause = _user_error(err)
+        if cause is not None:
             raise cause from None
         raise
 
 
-def _run_all(datasets):
-    return [_run(ds) for ds in datasets]
+def _user_error(err: BaseException) -> Optional[Exception]:
+    """The data error a UDF raised: RayTaskError(_DataError).cause is the _DataError."""
+    cause = getattr(err, "cause", None)
+    return cause.error if isinstance(cause, _DataError) else None
 
 
 # ------------------------------------------------------------------ tokenized_path reuse
@@ -156,14 +264,30 @@ def _fingerprint(cfg, tokenizer, template) -> dict:
         "mask_history": d.mask_history,
         "max_samples": d.max_samples,
         "val_size": d.val_size,
+        "mix_strategy": d.mix_strategy,
+        "interleave_probs": d.interleave_probs,
+        "default_system": d.default_system,
+        "tool_format": d.tool_format,
+        "enable_thinking": d.enable_thinking,
+        # The seed picks the validation rows and the interleaving order; otherwise it changes nothing.
+        "data_seed": cfg.training.seed if d.val_size or d.mix_strategy != "concat" else None,
     }
 
 
-def _has_cache(path: str) -> bool:
-    return os.path.exists(os.path.join(path, _META))
+def _reuses_cache(data_args) -> bool:
+    path = data_args.tokenized_path
+    return bool(path) and not data_args.overwrite_cache and os.path.exists(os.path.join(path, _META))
 
 
 def _save_cache(path: str, train, evaluation, fingerprint: dict) -> None:
+    # Ray's write_parquet appends files to a folder: clear what an earlier run wrote (only our
+    # own entries), the marker first, so a crash mid-write never leaves a folder that looks reusable.
+    for name in (_META, "train", "eval"):
+        target = os.path.join(path, name)
+        if os.path.isdir(target):
+            shutil.rmtree(target)
+        elif os.path.exists(target):
+            os.remove(target)
     os.makedirs(path, exist_ok=True)
     train.write_parquet(os.path.join(path, "train"))
     if evaluation is not None:
@@ -179,7 +303,7 @@ def _load_cache(path: str, fingerprint: dict) -> PreparedData:
     changed = sorted(k for k in fingerprint if saved.get(k) != fingerprint[k])
     if changed:
         details = ", ".join(f"{k}: {saved.get(k)!r} -> {fingerprint[k]!r}" for k in changed)
-        raise ValueError(
+        raise DataConfigError(
             f"tokenized_path {path} was made with different settings ({details}). Set "
             "overwrite_cache: true to tokenize again into it, or point tokenized_path at a new folder."
         )

@@ -13,7 +13,7 @@ from .worker import WorkerPayload, train_loop
 logger = logging.getLogger(__name__)
 
 
-def launch_training(cfg, train_ds, eval_ds=None, callbacks=()) -> "ray.train.Result":
+def launch_training(cfg, train_ds, eval_ds=None, callbacks=()):
     """Fit on ``ray_num_workers`` workers; the result carries the final metrics and checkpoint."""
     ray_args, training = cfg.ray, cfg.training
     payload = WorkerPayload(
@@ -51,7 +51,13 @@ def launch_training(cfg, train_ds, eval_ds=None, callbacks=()) -> "ray.train.Res
 
 
 def default_run_name(output_dir: str) -> str:
-    """A fresh name per run: Ray Train restores a run that reuses a name, which must be opt-in."""
-    import os
+    """A fresh name per run: Ray Train restores a run that reuses a name, which must be opt-in.
 
-    return f"{os.path.basename(os.path.normpath(output_dir)) or 'run'}-{time.strftime('%Y%m%d-%H%M%S')}"
+    The random suffix keeps it fresh for runs started in the same second whose output_dirs share
+    a last part (LLaMA-Factory's saves/<model>/lora/sft layout) in one storage path.
+    """
+    import os
+    import uuid
+
+    base = os.path.basename(os.path.normpath(output_dir)) or "run"
+    return f"{base}-{time.strftime('%Y%m%d-%H%M%S')}-{uuid.uuid4().hex[:6]}"

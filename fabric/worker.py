@@ -28,7 +28,7 @@ class WorkerPayload:
 
 def train_loop(config: dict) -> None:
     """Ray Train's train_loop_per_worker."""
-    from ray.train.huggingface.transformers import RayTrainReportCallback, prepare_trainer
+    from ray.train.huggingface.transformers import prepare_trainer
 
     from stages.job import StageJob
     from stages.registry import get_stage_runner
@@ -51,7 +51,7 @@ def train_loop(config: dict) -> None:
         training_args=training_args,
         train_dataset=train,
         eval_dataset=evaluation,
-        callbacks=[RayTrainReportCallback(), *payload.callbacks],
+        callbacks=[_report_callback(), *payload.callbacks],
         resume_from_checkpoint=_resume_point(payload),
         prepare_trainer=prepare_trainer,
     )
@@ -69,6 +69,26 @@ def shard_to_hf_dataset(name: str):
     shard = ray.train.get_dataset_shard(name)
     tables = [batch for batch in shard.iter_batches(batch_size=4096, batch_format="pyarrow")]
     return datasets.Dataset(pa.concat_tables(tables)) if tables else datasets.Dataset.from_dict({})
+
+
+def _report_callback():
+    """Ray's RayTrainReportCallback, but no rank copies the HF checkpoint before every rank wrote it.
+
+    Each rank copies ``output_dir/checkpoint-N`` and uploads it into one shared Ray checkpoint
+    folder. Without the barrier rank 1, which writes only its RNG file, copies the folder while
+    rank 0 is still writing the model and optimizer there (seen: a copy holding only
+    rng_state_1.pth, 20-40 ms ahead of rank 0), and a half-written file it uploads last wins.
+    """
+    import torch.distributed as dist
+    from ray.train.huggingface.transformers import RayTrainReportCallback
+
+    class ReportAfterAllRanksSaved(RayTrainReportCallback):
+        def on_save(self, args, state, control, **kwargs):
+            if dist.is_available() and dist.is_initialized():
+                dist.barrier()
+            super().on_save(args, state, control, **kwargs)
+
+    return ReportAfterAllRanksSaved()
 
 
 def _resume_point(payload: WorkerPayload) -> Optional[str]:

@@ -136,6 +136,9 @@ def _as_list(value) -> list[str]:
 
 
 def count_parameters(model) -> tuple[int, int]:
-    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
-    total = sum(p.numel() for p in model.parameters())
+    def numel(p):  # ZeRO-3 leaves each rank an empty placeholder; ds_numel is the full size
+        return getattr(p, "ds_numel", None) or p.numel()
+
+    trainable = sum(numel(p) for p in model.parameters() if p.requires_grad)
+    total = sum(numel(p) for p in model.parameters())
     return trainable, total

@@ -31,8 +31,14 @@ class JsonlLogCallback(TrainerCallback):
         os.makedirs(os.path.dirname(self.path), exist_ok=True)
         kept = []
         if state.global_step > 0 and os.path.exists(self.path):
+            # The end-of-run summary of a run that stopped at the checkpoint goes too: the resumed
+            # run writes its own, and the log should read like one uninterrupted run.
             with open(self.path, encoding="utf-8") as f:
-                kept = [line for line in f if json.loads(line).get("current_steps", 0) <= state.global_step]
+                kept = [
+                    line for line in f
+                    if (record := json.loads(line)).get("current_steps", 0) <= state.global_step
+                    and "train_runtime" not in record
+                ]
         with open(self.path, "w", encoding="utf-8") as f:
             f.writelines(kept)
 
@@ -51,7 +57,7 @@ class JsonlLogCallback(TrainerCallback):
             "steps_per_second": round(done / elapsed, 4) if elapsed > 0 and done else None,
         }
         for key, value in logs.items():
-            if key in ("loss", "learning_rate", "grad_norm") or key.startswith(("eval_", "rewards/", "train_")):
+            if key in ("loss", "learning_rate", "grad_norm", "kl") or key.startswith(("eval_", "rewards/", "train_")):
                 record[{"learning_rate": "lr"}.get(key, key)] = value
         if "loss" in record or any(k.startswith(("eval_", "train_")) for k in record):
             with open(self.path, "a", encoding="utf-8") as f:

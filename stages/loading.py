@@ -86,7 +86,9 @@ def load_model(model_args, finetuning_args, tokenizer, training_args=None, is_tr
     if quant is not None:
         kwargs["quantization_config"] = quant
     model = AutoModelForCausalLM.from_pretrained(resolve_model_path(model_args.model_name_or_path), **kwargs)
-    if len(tokenizer) > model.get_input_embeddings().weight.shape[0]:
+    embeddings = model.get_input_embeddings().weight
+    # ZeRO-3 partitions weights at load (shape (0,) on every rank); ds_shape is the real shape.
+    if len(tokenizer) > getattr(embeddings, "ds_shape", embeddings.shape)[0]:
         # The template added tokens (eos/stop words) the model has never seen.
         model.resize_token_embeddings(len(tokenizer), pad_to_multiple_of=8)
     if getattr(training_args, "gradient_checkpointing", False):

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from .slots import Slot, fill
 from .tools import get_tool_format, parse_function_message, parse_tools

@@ -7,6 +7,8 @@ a gloo all-reduce for the next step and must be torn down by Ray, not hang.)
 
 from __future__ import annotations
 
+import filecmp
+import glob
 import json
 import os
 import sys
@@ -61,3 +63,17 @@ def test_worker_killed_mid_run_resumes_from_last_checkpoint(ray_session, sft_con
     with open(os.path.join(result.output_dir, "trainer_state.json"), encoding="utf-8") as f:
         assert json.load(f)["global_step"] == MAX_STEPS
     assert os.path.exists(os.path.join(result.output_dir, "model.safetensors"))
+
+    # Every checkpoint Ray kept (and resumed from) is a complete, byte-identical copy of the HF one:
+    # both ranks upload into the same Ray folder, so a copy taken mid-write would show here.
+    ray_copies = glob.glob(os.path.join(config["ray_storage_path"], "*", "checkpoint_*", "checkpoint"))
+    saved_steps = []
+    for copy in ray_copies:
+        with open(os.path.join(copy, "trainer_state.json"), encoding="utf-8") as f:
+            step = json.load(f)["global_step"]
+        saved_steps.append(step)
+        original = os.path.join(result.output_dir, f"checkpoint-{step}")
+        assert sorted(os.listdir(copy)) == sorted(os.listdir(original))
+        _, mismatch, errors = filecmp.cmpfiles(original, copy, os.listdir(original), shallow=False)
+        assert not mismatch and not errors, (step, mismatch, errors)
+    assert sorted(saved_steps) == [3, 6, 9, MAX_STEPS]  # 10: the final save at max_steps

@@ -11,7 +11,6 @@ import json
 import os
 import re
 import shutil
-import signal
 import socket
 import subprocess
 import sys
@@ -25,7 +24,7 @@ import psutil
 import pytest
 import yaml
 
-from cluster.submit import UPLOAD_EXCLUDES, build_submit_command
+from cluster.submit import build_submit_command
 from stages.callbacks import read_log
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -42,6 +41,7 @@ class Head:
     dashboard_url: str
     temp_dir: str
     token: str | None
+    agent_port: int
 
 
 def _free_port() -> int:
@@ -64,42 +64,58 @@ def start_head(home: str, auth_mode: str) -> Head:
     temp_dir = tempfile.mkdtemp(prefix="rf-head-", dir="/tmp")
     token = os.urandom(32).hex() if auth_mode == "token" else None
     env = _clean_env(HOME=home, RAY_AUTH_MODE=auth_mode, **({"RAY_AUTH_TOKEN": token} if token else {}))
-    gcs_port, dashboard_port = _free_port(), _free_port()
-    ports = {
-        "ray-client-server-port", "node-manager-port", "object-manager-port", "dashboard-agent-listen-port",
-        "dashboard-agent-grpc-port", "metrics-export-port", "runtime-env-agent-port",
-    }
+    # Every port chosen here: Ray's defaults would collide with other Rays on this machine.
+    ports = {name: _free_port() for name in (
+        "port", "dashboard-port", "ray-client-server-port", "node-manager-port", "object-manager-port",
+        "dashboard-agent-listen-port", "dashboard-agent-grpc-port", "metrics-export-port", "runtime-env-agent-port",
+    )}
     command = [
-        RAY, "start", "--head", "--block", f"--port={gcs_port}", "--num-cpus=4", "--disable-usage-stats",
-        f"--temp-dir={temp_dir}", "--include-dashboard=true", "--dashboard-host=127.0.0.1",
-        f"--dashboard-port={dashboard_port}", *(f"--{name}={_free_port()}" for name in sorted(ports)),
+        RAY, "start", "--head", "--block", "--num-cpus=4", "--disable-usage-stats", f"--temp-dir={temp_dir}",
+        "--include-dashboard=true", "--dashboard-host=127.0.0.1", *(f"--{k}={v}" for k, v in ports.items()),
     ]
     log = open(os.path.join(temp_dir, "head.log"), "w")
     # A new session: every process this head spawns (workers included) shares its session id,
     # which is how teardown finds them and nothing else.
     process = subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-    head = Head(process, f"127.0.0.1:{gcs_port}", f"http://127.0.0.1:{dashboard_port}", temp_dir, token)
+    head = Head(process, f"127.0.0.1:{ports['port']}", f"http://127.0.0.1:{ports['dashboard-port']}", temp_dir,
+                token, ports["dashboard-agent-listen-port"])
     try:
-        _wait_for_dashboard(head)
+        _wait_until_ready(head)
     except BaseException:
         stop_head(head)
         raise
     return head
 
 
-def _wait_for_dashboard(head: Head) -> None:
+def _wait_until_ready(head: Head) -> None:
+    """Dashboard answering and the head's dashboard agent listening: a job submitted before the
+    agent is up fails with 'No available agent to submit job' (seen on this loaded machine)."""
     deadline = time.time() + HEAD_START_TIMEOUT_S
     while time.time() < deadline:
         if head.process.poll() is not None:
             raise RuntimeError(f"ray start exited early:\n{_head_log(head)}")
-        try:
-            urllib.request.urlopen(head.dashboard_url + "/api/version", timeout=2)
+        if _dashboard_up(head) and _port_open(head.agent_port):
             return
-        except urllib.error.HTTPError:
-            return  # 401 under token auth: the server is up
-        except OSError:
-            time.sleep(1)
-    raise RuntimeError(f"dashboard not up after {HEAD_START_TIMEOUT_S}s:\n{_head_log(head)}")
+        time.sleep(0.5)
+    raise RuntimeError(f"head not ready after {HEAD_START_TIMEOUT_S}s:\n{_head_log(head)}")
+
+
+def _dashboard_up(head: Head) -> bool:
+    try:
+        urllib.request.urlopen(head.dashboard_url + "/api/version", timeout=2)
+        return True
+    except urllib.error.HTTPError:
+        return True  # 401 under token auth: the server is up
+    except OSError:
+        return False
+
+
+def _port_open(port: int) -> bool:
+    try:
+        socket.create_connection(("127.0.0.1", port), timeout=1).close()
+        return True
+    except OSError:
+        return False
 
 
 def _head_log(head: Head) -> str:
@@ -108,20 +124,19 @@ def _head_log(head: Head) -> str:
 
 
 def stop_head(head: Head) -> None:
-    """SIGTERM `ray start --block` (it drains and stops its node), then kill stragglers of its session."""
+    """Kill every process of this head's session, and nothing else.
+
+    SIGKILL, not a graceful SIGTERM: after a job ran, `ray start --block` drains for ~35 s
+    before it exits on this machine, and a test head holds no data worth a clean shutdown.
+    """
     session = head.process.pid
-    if head.process.poll() is None:
-        head.process.send_signal(signal.SIGTERM)
-        try:
-            head.process.wait(timeout=45)
-        except subprocess.TimeoutExpired:
-            head.process.kill()
     for proc in psutil.process_iter():
         try:
             if os.getsid(proc.pid) == session:
                 proc.kill()
         except (ProcessLookupError, psutil.Error, PermissionError):
             pass
+    head.process.wait(timeout=30)
     shutil.rmtree(head.temp_dir, ignore_errors=True)
 
 
@@ -184,11 +199,6 @@ def test_submitted_sft_job_succeeds_and_writes_outputs(token_head, home, tmp_pat
                                                       RAY_AUTH_TOKEN=token_head.token)) == "succeeded"
     assert "the job reads it from" in result.stderr  # the config lives outside the working dir
 
-    # The upload is the code and demo data, not .venv (GBs), saves/ or .git.
-    size = re.search(r"Pushing file package '[^']+' \(([\d.]+)MiB\)", output)
-    assert size, output[-3000:]
-    assert float(size.group(1)) < 5.0
-
     out = tmp_path / "out"
     for name in ("model.safetensors", "config.json", "tokenizer.json", "chat_template.jinja",
                  "trainer_state.json", "trainer_log.jsonl", "all_results.json", "rayfactory_config.yaml"):
@@ -201,29 +211,6 @@ def test_submitted_sft_job_succeeds_and_writes_outputs(token_head, home, tmp_pat
     assert "save_steps: 2" in (out / "rayfactory_config.yaml").read_text()  # the override travelled
 
 
-def test_job_runs_the_uploaded_code_without_venv_or_git(token_head, home):
-    """The job's cwd is the uploaded copy: our packages import from it (no install needed), and
-    the excluded folders are not there."""
-    probe = (
-        "import json, os, cluster, fabric, stages, registries;"
-        "print('PROBE', json.dumps({'cwd': os.getcwd(), 'listing': sorted(os.listdir('.')),"
-        " 'cluster': cluster.__file__, 'registries': registries.__file__}))"
-    )
-    command = build_submit_command("configs/quickstart.yaml", address=token_head.dashboard_url)
-    command = command[: command.index("--") + 1] + ["python", "-c", probe]
-    result = _run(command, _clean_env(HOME=home, RAY_AUTH_MODE="token", RAY_AUTH_TOKEN=token_head.token))
-    assert result.returncode == 0, (result.stdout + result.stderr)[-4000:]
-    line = next(line for line in result.stdout.splitlines() if line.startswith("PROBE "))
-    probe_out = json.loads(line[len("PROBE "):])
-    assert probe_out["cwd"] != REPO_ROOT and "runtime_resources" in probe_out["cwd"]
-    assert probe_out["cluster"].startswith(probe_out["cwd"])
-    assert probe_out["registries"].startswith(probe_out["cwd"])
-    listing = set(probe_out["listing"])
-    assert {"cluster", "fabric", "stages", "registries", "data", "configs"} <= listing
-    assert not listing & {".git", ".venv", "saves", ".pytest_cache"}
-    assert ".git" in UPLOAD_EXCLUDES
-
-
 def test_rayfactory_env_reports_the_head(token_head, home):
     env = _clean_env(HOME=home, RAY_ADDRESS=token_head.gcs_address, RAY_AUTH_MODE="token",
                      RAY_AUTH_TOKEN=token_head.token)
@@ -233,17 +220,58 @@ def test_rayfactory_env_reports_the_head(token_head, home):
     assert "connected, 1 node(s)" in cluster_line and "CPU=4" in cluster_line
 
 
-def test_head_without_auth_takes_plain_ray_job_submit(home, tmp_path):
-    """The other way out of the token trap: a head started with RAY_AUTH_MODE=disabled accepts a
-    client that knows nothing about tokens. The job runs `python -m cluster.cli env` there."""
+def test_head_without_auth_runs_the_uploaded_code(home):
+    """The other way out of the token trap: a head started with RAY_AUTH_MODE=disabled takes a
+    client that knows nothing about tokens. The job's cwd is the uploaded copy; our packages
+    import from it (no install needed) and the excluded folders are not in it."""
+    probe = (
+        "import json, os, subprocess, cluster, fabric, stages, registries;"
+        "size = int(subprocess.check_output(['du', '-sk', '.']).split()[0]);"
+        "print('PROBE', json.dumps({'cwd': os.getcwd(), 'listing': sorted(os.listdir('.')), 'kib': size,"
+        " 'modules': [m.__file__ for m in (cluster, fabric, stages, registries)]}))"
+    )
     head = start_head(home, "disabled")
     try:
         command = build_submit_command("configs/quickstart.yaml", address=head.dashboard_url)
-        command = command[: command.index("--") + 1] + ["python", "-m", "cluster.cli", "env"]
-        result = _run(command, _clean_env(HOME=home))
-        assert result.returncode == 0, (result.stdout + result.stderr)[-4000:]
-        cluster_line = next(line for line in result.stdout.splitlines() if line.startswith("cluster "))
-        assert "connected, 1 node(s)" in cluster_line and "CPU=4" in cluster_line
-        assert "succeeded" in result.stdout + result.stderr
+        command = command[: command.index("--") + 1] + ["python", "-c", probe]
+        result = _run(command, _clean_env(HOME=home), timeout=180)  # no RAY_AUTH_* at all
     finally:
         stop_head(head)
+    assert result.returncode == 0, (result.stdout + result.stderr)[-4000:]
+    line = next(line for line in result.stdout.splitlines() if line.startswith("PROBE "))
+    probe_out = json.loads(line[len("PROBE "):])
+    cwd = probe_out["cwd"]
+    assert cwd != REPO_ROOT and "runtime_resources" in cwd
+    assert all(path.startswith(cwd + os.sep) for path in probe_out["modules"]), probe_out["modules"]
+    listing = set(probe_out["listing"])
+    assert {"cluster", "fabric", "stages", "registries", "data", "configs"} <= listing
+    assert not listing & {".git", ".venv", "saves", ".pytest_cache", ".ruff_cache"}
+    assert probe_out["kib"] < 5 * 1024  # code and demo data only: .venv alone is GBs
+
+
+def test_example_gpu_cluster_yaml_passes_rays_schema():
+    """The cluster launcher YAML cannot be launched here (no cloud), but a typo or a field Ray
+    dropped would make `ray up` fail: check it against Ray's own schema and defaults."""
+    from ray.autoscaler._private.util import prepare_config, validate_config
+
+    path = os.path.join(REPO_ROOT, "cluster", "cluster_configs", "aws-gpu.yaml")
+    with open(path, encoding="utf-8") as f:
+        config = yaml.safe_load(f)
+    validate_config(prepare_config(config))
+    assert config["file_mounts"] == {"~/.ray/auth_token": "~/.ray/auth_token"}  # the token reaches every node
+    assert all("RAY_AUTH_MODE=token" in " ".join(config[k]) for k in ("head_start_ray_commands",
+                                                                       "worker_start_ray_commands"))
+    assert config["available_node_types"]["head"]["resources"]["GPU"] == 0  # no train worker on the head
+
+    config["max_wrokers"] = 4  # a typo is caught
+    with pytest.raises(Exception, match="max_wrokers"):
+        validate_config(prepare_config(config))
+
+
+def test_submit_command_names_a_config_inside_the_working_dir_relatively():
+    command = build_submit_command("configs/quickstart.yaml", ["lora_rank=8"], address="http://head:8265")
+    entry = command[command.index("--") + 1:]
+    assert entry == ["python", "-m", "cluster.cli", "train", "configs/quickstart.yaml", "lora_rank=8"]
+    assert command[command.index("--working-dir") + 1] == REPO_ROOT
+    excludes = json.loads(command[command.index("--runtime-env-json") + 1])["excludes"]
+    assert {".git", ".venv", "saves"} <= set(excludes)

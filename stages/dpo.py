@@ -1,0 +1,197 @@
+"""dpo: direct preference optimisation and its variants, chosen by ``pref_loss``.
+
+* sigmoid: DPO, -log sigmoid(beta * margin of log-ratios); ``dpo_label_smoothing`` > 0 is cDPO.
+* hinge:   relu(1 - beta * margin of log-ratios) (SLiC).
+* ipo:     (margin of length-averaged log-ratios - 1 / (2 beta))^2.
+* orpo:    no reference; NLL of chosen + beta * -log sigmoid(log odds ratio), length-averaged.
+* simpo:   no reference; -log sigmoid(beta * margin of length-averaged log-probs - simpo_gamma).
+
+``pref_ftx`` adds that weight times the chosen responses' average NLL (an SFT term). The formulas
+follow LLaMA-Factory's CustomDPOTrainer, which TRL 1.16 splits over three trainers; its own
+trainers also tokenize the data themselves, so this one is a thin ``transformers.Trainer`` over
+our pre-tokenized pairs: one forward pass on chosen + rejected stacked (PairwiseCollator).
+tests/stages/test_pref_losses.py checks each loss against TRL's own loss functions.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from transformers import Trainer
+
+from .callbacks import JsonlLogCallback
+from .collators import build_collator
+from .job import StageJob
+from .loading import load_model, load_tokenizer_and_template
+from .outputs import save_outputs
+from .preference import Reference, build_reference, disable_dropout, forward_logps, keep_pair_columns
+
+LENGTH_NORMALIZED = ("ipo", "orpo", "simpo")  # these compare average, not summed, log-probs
+
+
+@dataclass
+class PreferenceLoss:
+    """Per-pair losses and the implicit rewards that are logged as rewards/*."""
+
+    losses: torch.Tensor
+    chosen_rewards: torch.Tensor
+    rejected_rewards: torch.Tensor
+
+
+def log1mexp(x: torch.Tensor) -> torch.Tensor:
+    """log(1 - exp(x)) for x < 0, without cancellation on either side of -ln 2."""
+    return torch.where(x < -0.6931471805599453, torch.log1p(-torch.exp(x)), torch.log(-torch.expm1(x)))
+
+
+def preference_loss(
+    loss_type: str,
+    beta: float,
+    chosen_logps: torch.Tensor,
+    rejected_logps: torch.Tensor,
+    ref_chosen_logps: torch.Tensor | None = None,
+    ref_rejected_logps: torch.Tensor | None = None,
+    label_smoothing: float = 0.0,
+    simpo_gamma: float = 0.5,
+) -> PreferenceLoss:
+    """The pref_loss formulas on per-pair log-probs (already length-averaged for ipo/orpo/simpo)."""
+    if loss_type in ("orpo", "simpo"):
+        if loss_type == "orpo":
+            log_odds = (chosen_logps - rejected_logps) - (log1mexp(chosen_logps) - log1mexp(rejected_logps))
+            losses = -chosen_logps - beta * F.logsigmoid(log_odds)
+        else:
+            losses = -F.logsigmoid(beta * (chosen_logps - rejected_logps) - simpo_gamma)
+        return PreferenceLoss(losses, beta * chosen_logps.detach(), beta * rejected_logps.detach())
+
+    if ref_chosen_logps is None or ref_rejected_logps is None:
+        raise ValueError(f"pref_loss {loss_type!r} needs the reference model's log-probs.")
+    chosen_ratio = chosen_logps - ref_chosen_logps
+    rejected_ratio = rejected_logps - ref_rejected_logps
+    margin = chosen_ratio - rejected_ratio
+    if loss_type == "sigmoid":
+        losses = (
+            -F.logsigmoid(beta * margin) * (1 - label_smoothing) - F.logsigmoid(-beta * margin) * label_smoothing
+        )
+    elif loss_type == "hinge":
+        losses = torch.relu(1 - beta * margin)
+    elif loss_type == "ipo":
+        losses = (margin - 1 / (2 * beta)) ** 2
+    else:
+        raise ValueError(f"Unknown pref_loss {loss_type!r}; expected sigmoid, hinge, ipo, orpo or simpo.")
+    return PreferenceLoss(losses, beta * chosen_ratio.detach(), beta * rejected_ratio.detach())
+
+
+class PreferenceTrainer(Trainer):
+    """The Trainer whose loss is ``preference_loss`` on a stacked [chosen; rejected] batch."""
+
+    # compute_loss returns a per-batch mean: the Trainer must still divide by accumulation steps.
+    loss_is_scaled_for_ga = False
+
+    def __init__(self, *args, reference: Reference, finetuning_args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.reference = reference
+        self.loss_type = finetuning_args.pref_loss
+        self.beta = finetuning_args.pref_beta
+        self.ftx = finetuning_args.pref_ftx
+        self.label_smoothing = finetuning_args.dpo_label_smoothing
+        self.simpo_gamma = finetuning_args.simpo_gamma
+        self._metrics = {"train": defaultdict(list), "eval": defaultdict(list)}
+        reference.prepare(self)
+
+    def batch_loss(self, model, inputs) -> tuple[torch.Tensor, dict[str, float]]:
+        ids, mask, labels = inputs["input_ids"], inputs["attention_mask"], inputs["labels"]
+        logps, lengths = forward_logps(model, ids, mask, labels)
+        avg_logps = logps / lengths.clamp(min=1)
+        policy = avg_logps if self.loss_type in LENGTH_NORMALIZED else logps
+        chosen, rejected = policy.chunk(2)
+        ref_chosen = ref_rejected = None
+        if self.reference.kind != "none":
+            ref_logps, _ = self.reference.logps(model, ids, mask, labels)
+            ref = ref_logps / lengths.clamp(min=1) if self.loss_type in LENGTH_NORMALIZED else ref_logps
+            ref_chosen, ref_rejected = ref.chunk(2)
+        out = preference_loss(
+            self.loss_type, self.beta, chosen, rejected, ref_chosen, ref_rejected,
+            self.label_smoothing, self.simpo_gamma,
+        )
+        losses = out.losses
+        sft_loss = -avg_logps.chunk(2)[0]  # average NLL of the chosen responses
+        if self.ftx > 0:
+            losses = losses + self.ftx * sft_loss
+        summed_chosen, summed_rejected = logps.detach().chunk(2)
+        metrics = {
+            "rewards/chosen": out.chosen_rewards.mean().item(),
+            "rewards/rejected": out.rejected_rewards.mean().item(),
+            "rewards/accuracies": (out.chosen_rewards > out.rejected_rewards).float().mean().item(),
+            "rewards/margins": (out.chosen_rewards - out.rejected_rewards).mean().item(),
+            "logps/chosen": summed_chosen.mean().item(),
+            "logps/rejected": summed_rejected.mean().item(),
+            # The policy alone prefers chosen (what preference_accuracy measures on held-out pairs).
+            "logps/accuracies": (summed_chosen > summed_rejected).float().mean().item(),
+            "sft_loss": sft_loss.detach().mean().item(),
+        }
+        return losses.mean(), metrics
+
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        loss, metrics = self.batch_loss(model, inputs)
+        store = self._metrics["train" if model.training else "eval"]
+        for key, value in metrics.items():
+            store[key].append(value)
+        return (loss, metrics) if return_outputs else loss
+
+    def prediction_step(self, model, inputs, prediction_loss_only, ignore_keys=None):
+        inputs = self._prepare_inputs(inputs)
+        with torch.no_grad(), self.compute_loss_context_manager():
+            loss = self.compute_loss(model, inputs)
+        return loss.detach(), None, None
+
+    def pop_metrics(self, mode: str) -> dict[str, float]:
+        """Means of the values stored since the last call, averaged over all workers (collective)."""
+        store = self._metrics[mode]
+        if not store:
+            return {}
+        keys = sorted(store)
+        means = torch.tensor([sum(store[k]) / len(store[k]) for k in keys], device=self.args.device)
+        if self.accelerator.num_processes > 1:
+            means = self.accelerator.reduce(means, reduction="mean")
+        store.clear()
+        return dict(zip(keys, means.tolist()))
+
+    def evaluation_loop(self, *args, **kwargs):
+        output = super().evaluation_loop(*args, **kwargs)
+        prefix = kwargs.get("metric_key_prefix", "eval")
+        output.metrics.update({f"{prefix}_{k}": v for k, v in self.pop_metrics("eval").items()})
+        return output
+
+    def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
+        if "loss" in logs:  # a training logging step (every rank gets here, so the reduce is safe)
+            logs.update(self.pop_metrics("train"))
+        super().log(logs, start_time)
+
+
+def run_dpo(job: StageJob) -> dict:
+    # 1. tokenizer and template exactly as the data was tokenized with
+    tokenizer, template = load_tokenizer_and_template(job.model_args, job.data_args)
+    # 2. the policy, and the reference it is measured against (none, the adapter-less policy, or a copy)
+    model = load_model(job.model_args, job.finetuning_args, tokenizer, job.training_args)
+    disable_dropout(model)
+    reference = build_reference(model, job.model_args, job.finetuning_args, tokenizer, job.training_args)
+    # 3. the preference Trainer on this worker's pairs
+    trainer = PreferenceTrainer(
+        model=model,
+        args=keep_pair_columns(job.training_args),
+        train_dataset=job.train_dataset,
+        eval_dataset=job.eval_dataset,
+        data_collator=build_collator("dpo", tokenizer, job.data_args, model),
+        processing_class=tokenizer,
+        callbacks=[JsonlLogCallback(job.training_args.output_dir), *job.callbacks],
+        reference=reference,
+        finetuning_args=job.finetuning_args,
+    )
+    if job.prepare_trainer is not None:
+        trainer = job.prepare_trainer(trainer)
+    # 4. train (resuming restores optimizer, scheduler, RNG and the data position)
+    result = trainer.train(resume_from_checkpoint=job.resume_from_checkpoint)
+    # 5. adapter/model, tokenizer + chat template, state, metrics, plot
+    return save_outputs(trainer, tokenizer, template, result, job.finetuning_args)

@@ -1,0 +1,215 @@
+"""What the preference stages (dpo and its variants, kto) share: log-probs of the labelled tokens
+of whole sequences, the frozen reference policy, and held-out preference accuracy.
+
+Public API (stable; stages/kto.py imports it):
+
+* ``sequence_logps(logits, labels) -> (logps, lengths)``: per row, the summed log-prob of the
+  labelled tokens (labels != IGNORE_INDEX, shifted by one as in causal LM training) and how many
+  there are. float32 whatever the model's dtype.
+* ``forward_logps(model, input_ids, attention_mask, labels) -> (logps, lengths)``: one forward pass
+  of a causal LM, then ``sequence_logps``.
+* ``build_reference(policy, model_args, finetuning_args, tokenizer, training_args) -> Reference``:
+  how the stage obtains reference log-probs. ``Reference.kind`` is
+  ``"none"`` (orpo/simpo: no reference at all), ``"adapter_disabled"`` (LoRA: the policy itself
+  with its adapter switched off, so no second copy of the weights) or ``"model"`` (full/freeze
+  training, or an explicit ``ref_model``: a separate frozen model).
+* ``Reference.prepare(trainer)``: once the Trainer exists, put a separate reference model on the
+  training device (wrapped by DeepSpeed for ZeRO-3, which shards it like the policy).
+* ``Reference.logps(policy, input_ids, attention_mask, labels) -> (logps, lengths)``: reference
+  log-probs under ``torch.no_grad()``; ``policy`` is the model the Trainer hands ``compute_loss``.
+* ``keep_pair_columns(training_args) -> training_args``: sets ``remove_unused_columns=False``
+  (else the Trainer drops chosen_*/rejected_*/kl_* columns, which no model forward names).
+* ``pairwise_logps(model, pairs, pad_token_id, batch_size) -> (chosen, rejected)`` and
+  ``preference_accuracy(model, pairs, pad_token_id, batch_size) -> float``: over tokenized pairs
+  (rows with chosen_/rejected_ input_ids, attention_mask, labels, as registries.tokenize.pairwise
+  writes them), the fraction where the model's summed log-prob of the chosen response is strictly
+  higher than of the rejected one. This is the held-out check that a preference run learned.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import logging
+from dataclasses import dataclass
+from typing import Any, Literal, Sequence
+
+import torch
+
+from registries.tokenize import IGNORE_INDEX
+
+from .collators import PairwiseCollator
+
+logger = logging.getLogger(__name__)
+
+ReferenceKind = Literal["none", "adapter_disabled", "model"]
+
+
+def sequence_logps(logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(B, L, V) logits and (B, L) labels -> (B,) summed log-probs of labelled tokens, (B,) counts.
+
+    Token t is predicted by the logits at t - 1, so both are shifted by one, exactly as the
+    causal-LM loss does. Computed in float32: bf16 log-softmax loses the small differences
+    between chosen and rejected that the preference losses are made of.
+    """
+    if logits.shape[:-1] != labels.shape:
+        raise ValueError(f"logits {tuple(logits.shape)} and labels {tuple(labels.shape)} do not line up.")
+    labels = labels[:, 1:]
+    logits = logits[:, :-1, :].float()
+    mask = labels != IGNORE_INDEX
+    safe_labels = labels.masked_fill(~mask, 0)  # any valid index; masked out below
+    # gather - logsumexp is log_softmax at the label without materialising a second (B, L, V) tensor
+    picked = torch.gather(logits, -1, safe_labels.unsqueeze(-1)).squeeze(-1)
+    per_token = picked - torch.logsumexp(logits, dim=-1)
+    return (per_token * mask).sum(-1), mask.sum(-1).float()
+
+
+def forward_logps(model, input_ids, attention_mask, labels) -> tuple[torch.Tensor, torch.Tensor]:
+    """One forward pass of a causal LM -> ``sequence_logps`` of its logits."""
+    logits = model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).logits
+    return sequence_logps(logits, labels)
+
+
+def unwrap(model):
+    """The module under DDP / DeepSpeed wrappers (PEFT wrappers stay: they own disable_adapter)."""
+    from accelerate.utils import extract_model_from_parallel
+
+    return extract_model_from_parallel(model)
+
+
+def disable_dropout(model) -> None:
+    """Dropout off, as TRL does for preference training: with it, the policy's and the reference's
+    log-probs of the same sequence differ by noise, and the rewards drift without learning."""
+    for module in model.modules():
+        if isinstance(module, torch.nn.Dropout):
+            module.p = 0.0
+
+
+@dataclass
+class Reference:
+    """Where reference log-probs come from (see the module docstring for the three kinds)."""
+
+    kind: ReferenceKind
+    model: Any = None  # only for kind "model": a frozen model (a DeepSpeed engine after prepare under ZeRO-3)
+
+    def prepare(self, trainer) -> None:
+        """Put a separate reference next to the policy: DeepSpeed-wrapped under DeepSpeed (ZeRO-3
+        shards it like the policy; other stages keep a full copy per worker), else on the device."""
+        if self.kind != "model":
+            return
+        if getattr(trainer, "is_deepspeed_enabled", False):
+            from trl.models.utils import prepare_deepspeed
+
+            self.model = prepare_deepspeed(self.model, trainer.accelerator)
+        else:
+            self.model = self.model.to(trainer.args.device)
+        self.model.eval()
+
+    def logps(self, policy, input_ids, attention_mask, labels) -> tuple[torch.Tensor, torch.Tensor]:
+        """Reference (summed log-probs, label counts) for the batch, without gradients."""
+        if self.kind == "none":
+            raise RuntimeError("This preference loss runs without a reference model; nothing to compute.")
+        with torch.no_grad():
+            if self.kind == "model":
+                return forward_logps(self.model, input_ids, attention_mask, labels)
+            with self.disabled_adapter(policy):
+                return forward_logps(policy, input_ids, attention_mask, labels)
+
+    @staticmethod
+    @contextlib.contextmanager
+    def disabled_adapter(policy):
+        """The LoRA policy as its base model, for the length of the block."""
+        with unwrap(policy).disable_adapter():
+            yield
+
+
+def build_reference(policy, model_args, finetuning_args, tokenizer, training_args=None) -> Reference:
+    """The reference policy a stage needs, loaded as cheaply as the setup allows.
+
+    * orpo / simpo (``finetuning_args.use_ref_model`` false): none at all.
+    * LoRA without ``ref_model``: the policy with its adapter disabled (LLaMA-Factory's choice):
+      the reference is the base model, the adapter's and modules_to_save' starting point. Nothing
+      is loaded.
+    * otherwise: ``ref_model`` (with ``ref_model_adapters``) if given, else the policy's own
+      starting weights loaded again from ``model_name_or_path``: the policy trains in place, so
+      its initial weights exist nowhere else. Loading (rather than deep-copying the policy) also
+      works under ZeRO-3, whose ``from_pretrained`` shards the weights as they load.
+    """
+    if not finetuning_args.use_ref_model:
+        return Reference("none")
+    if finetuning_args.ref_model is None and finetuning_args.finetuning_type == "lora":
+        if not hasattr(unwrap(policy), "disable_adapter"):
+            raise RuntimeError("A LoRA policy without disable_adapter(); expected a peft PeftModel.")
+        return Reference("adapter_disabled")
+
+    from .loading import load_model
+
+    adapters = finetuning_args.ref_model_adapters if finetuning_args.ref_model else None
+    ref_model_args = dataclasses.replace(
+        model_args,
+        model_name_or_path=finetuning_args.ref_model or model_args.model_name_or_path,
+        adapter_name_or_path=adapters,
+    )
+    # Only the fields that decide how weights load: the reference never trains.
+    ref_tuning = dataclasses.replace(
+        finetuning_args, finetuning_type="lora" if adapters else "full", use_rslora=False, use_dora=False
+    )
+    model = load_model(ref_model_args, ref_tuning, tokenizer, training_args, is_trainable=False)
+    model.requires_grad_(False)
+    disable_dropout(model)
+    logger.info("reference model: %s", ref_model_args.model_name_or_path)
+    return Reference("model", model)
+
+
+def keep_pair_columns(training_args):
+    """The Trainer keeps only columns the model's forward() names; the preference stages feed
+    chosen_*/rejected_* (and kto's kl_*) columns to their collator, so nothing may be dropped."""
+    training_args.remove_unused_columns = False
+    return training_args
+
+
+# --------------------------------------------------------------- held-out preference accuracy
+
+
+def pairwise_logps(
+    model, pairs: Sequence[dict] | Any, pad_token_id: int, batch_size: int = 32
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(chosen, rejected) summed log-probs of every pair, in order, in eval mode without gradients."""
+    collator = PairwiseCollator(pad_token_id=pad_token_id)
+    rows = [pairs[i] for i in range(len(pairs))]
+    if not rows:
+        raise ValueError("No preference pairs to score.")
+    device = next(model.parameters()).device
+    was_training = model.training
+    model.eval()
+    chosen, rejected = [], []
+    try:
+        with torch.no_grad():
+            for start in range(0, len(rows), batch_size):
+                batch = {k: v.to(device) for k, v in collator(rows[start : start + batch_size]).items()}
+                logps, _ = forward_logps(model, batch["input_ids"], batch["attention_mask"], batch["labels"])
+                c, r = logps.chunk(2)
+                chosen.append(c.cpu())
+                rejected.append(r.cpu())
+    finally:
+        model.train(was_training)
+    return torch.cat(chosen), torch.cat(rejected)
+
+
+def preference_accuracy(model, pairs: Sequence[dict] | Any, pad_token_id: int, batch_size: int = 32) -> float:
+    """Fraction of pairs whose chosen response the model gives a strictly higher log-prob."""
+    chosen, rejected = pairwise_logps(model, pairs, pad_token_id, batch_size)
+    return float((chosen > rejected).float().mean())
+
+
+__all__ = [
+    "Reference",
+    "build_reference",
+    "disable_dropout",
+    "forward_logps",
+    "keep_pair_columns",
+    "pairwise_logps",
+    "preference_accuracy",
+    "sequence_logps",
+    "unwrap",
+]

@@ -1,0 +1,197 @@
+"""The Ray Data pipeline equals the in-process library, row for row, and tokenized_path reuse works.
+
+Reference side: ``registries.datasets.loading.load_aligned`` (read, align, mix, split) and then the
+stage's ``get_preprocess_fn`` over consecutive windows of ``BATCH_SIZE`` aligned rows. The window
+is part of the contract: sft packing and pt blocks fill sequences within one window, so the
+pipeline must cut the same windows however Ray happens to cut blocks.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from collections import Counter
+
+import pytest
+
+from cluster.config import load_config
+from fabric.data_pipeline import BATCH_SIZE, prepare_datasets
+from registries.datasets.errors import DataConfigError
+from registries.datasets.loading import load_aligned
+from registries.tokenize import get_preprocess_fn
+from stages.loading import load_tokenizer_and_template
+from tests.e2e.conftest import REPO_ROOT, tiny_sft_config
+
+COLUMNS = ("input_ids", "attention_mask", "labels")
+
+
+@pytest.fixture(scope="module")
+def tokenizer_and_template():
+    cfg = load_config(tiny_sft_config("unused"))
+    return load_tokenizer_and_template(cfg.model, cfg.data)
+
+
+@pytest.fixture
+def prepare(ray_session, tokenizer_and_template, tmp_path):
+    """config overrides -> (config, pipeline result) through real Ray Data."""
+
+    def run(**overrides):
+        cfg = load_config(tiny_sft_config(tmp_path / "out", **overrides))
+        return cfg, prepare_datasets(cfg, *tokenizer_and_template)
+
+    return run
+
+
+def rows_of(dataset) -> list[dict]:
+    return [{k: [int(v) for v in row[k]] for k in COLUMNS} for row in dataset.take_all()] if dataset else []
+
+
+def tokenize_windows(aligned: list[dict], preprocess, window: int = BATCH_SIZE) -> list[dict]:
+    out = []
+    for start in range(0, len(aligned), window):
+        part = aligned[start : start + window]
+        columns = preprocess({k: [row[k] for row in part] for k in part[0]})
+        out += [{k: list(columns[k][i]) for k in COLUMNS} for i in range(len(columns["input_ids"]))]
+    return out
+
+
+def in_process(cfg, tokenizer_and_template, window: int = BATCH_SIZE) -> tuple[list[dict], list[dict]]:
+    loaded = load_aligned(cfg.data, cfg.finetuning.stage, cfg.training.seed)
+    preprocess = get_preprocess_fn(cfg.finetuning.stage, *tokenizer_and_template, cfg.data)
+    return tokenize_windows(loaded.train, preprocess, window), tokenize_windows(loaded.eval, preprocess, window)
+
+
+CASES = {
+    "sft-alpaca": dict(dataset="arith_train"),
+    "sft-sharegpt-multiturn": dict(dataset="tasks_sharegpt", cutoff_len=256),
+    "sft-openai": dict(dataset="tasks_openai", cutoff_len=256),
+    "sft-eval-dataset": dict(dataset="tasks_openai", eval_dataset="tasks_openai_eval", cutoff_len=128),
+    "sft-val-fraction": dict(dataset="tasks_sharegpt", val_size=0.1, cutoff_len=128),
+    "pt-packing-val-rows": dict(stage="pt", dataset="pretrain_txt,pretrain_jsonl", cutoff_len=32, val_size=25),
+    "pt-unpacked": dict(stage="pt", dataset="pretrain_jsonl", packing=False, cutoff_len=32),
+    "mix-interleave-under": dict(dataset="tasks_sharegpt,arith_train", mix_strategy="interleave_under", cutoff_len=128),
+    "mix-interleave-over-probs": dict(
+        dataset="arith_train,tasks_openai", mix_strategy="interleave_over", interleave_probs="0.7,0.3", cutoff_len=128
+    ),
+}
+
+
+@pytest.mark.parametrize("overrides", CASES.values(), ids=CASES.keys())
+def test_pipeline_equals_in_process_library(prepare, tokenizer_and_template, overrides):
+    cfg, prepared = prepare(**overrides)
+    train, evaluation = in_process(cfg, tokenizer_and_template)
+    assert train and rows_of(prepared.train) == train
+    assert rows_of(prepared.eval) == evaluation
+    assert prepared.stats == {"train_examples": len(train), "eval_examples": len(evaluation)}
+    if cfg.data.val_size or cfg.data.eval_dataset:
+        assert evaluation
+
+
+def test_sft_packing_fills_windows_of_batch_size_rows_across_dataset_boundaries(prepare, tokenizer_and_template):
+    # 3 x 300 aligned rows: Ray gets three blocks of 300; windows are rows [0, 512) and [512, 900).
+    cfg, prepared = prepare(
+        dataset="tasks_sharegpt,tasks_openai,arith_train", max_samples=300, packing=True, cutoff_len=256
+    )
+    train, _ = in_process(cfg, tokenizer_and_template)
+    assert rows_of(prepared.train) == train
+    # The rule matters here: packing the 900 rows in other windows gives other sequences.
+    assert train != in_process(cfg, tokenizer_and_template, window=300)[0]
+    assert train != in_process(cfg, tokenizer_and_template, window=900)[0]
+    assert sum(1 for row in train for label in row["labels"] if label != -100) > 0
+    assert max(len(row["input_ids"]) for row in train) <= 256 < sum(len(row["input_ids"]) for row in train[:2])
+
+
+def test_concat_keeps_every_row_of_each_dataset_in_order(prepare, tokenizer_and_template):
+    _, alone_a = prepare(dataset="arith_train")
+    _, alone_b = prepare(dataset="tasks_openai", cutoff_len=64)
+    _, mixed = prepare(dataset="arith_train,tasks_openai", cutoff_len=64)
+    assert rows_of(mixed.train) == rows_of(alone_a.train) + rows_of(alone_b.train)
+    assert mixed.stats["train_examples"] == 320 + 400
+
+
+def test_val_split_partitions_rows_and_is_seeded(prepare):
+    _, whole = prepare(dataset="arith_train")
+    _, split = prepare(dataset="arith_train", val_size=0.1)
+    _, again = prepare(dataset="arith_train", val_size=0.1)
+    _, other_seed = prepare(dataset="arith_train", val_size=0.1, seed=7)
+    train, evaluation = rows_of(split.train), rows_of(split.eval)
+    assert (len(train), len(evaluation)) == (288, 32)  # ceil(0.1 * 320) rows held out
+    key = lambda row: tuple(row["input_ids"])  # noqa: E731
+    # A partition: together they are exactly the unsplit rows (as a multiset), each row once.
+    assert Counter(map(key, train)) + Counter(map(key, evaluation)) == Counter(map(key, rows_of(whole.train)))
+    # Rows keep their file order within each part.
+    order = {key(row): i for i, row in enumerate(rows_of(whole.train))}
+    assert [order[key(r)] for r in train] == sorted(order[key(r)] for r in train)
+    assert (rows_of(again.train), rows_of(again.eval)) == (train, evaluation)
+    assert rows_of(other_seed.eval) != evaluation and len(rows_of(other_seed.eval)) == 32
+
+
+def test_val_size_leaving_no_training_rows_is_a_clear_error(prepare):
+    with pytest.raises(DataConfigError) as err:
+        prepare(dataset="identity", val_size=24)
+    assert str(err.value) == (
+        "val_size 24 asks for 24 validation rows, but the training data has only 24; "
+        "lower val_size so some rows remain for training."
+    )
+
+
+# ------------------------------------------------------------------ tokenized_path
+
+
+@pytest.fixture
+def own_data(tmp_path):
+    """A copy of the demo data the test may rename files in."""
+    folder = tmp_path / "data"
+    shutil.copytree(os.path.join(REPO_ROOT, "data"), folder)
+    return folder
+
+
+def test_tokenized_path_is_reused_without_the_source_data(prepare, own_data, tmp_path, sft_config, capsys):
+    from cluster.driver import run_exp
+    from stages.callbacks import read_log
+
+    cache = tmp_path / "tokenized"
+    settings = dict(dataset="arith_train", dataset_dir=str(own_data), tokenized_path=str(cache), val_size=16)
+    _, first = prepare(**settings)
+    assert "tokenized data saved to" in capsys.readouterr().out
+    assert (cache / "rayfactory_tokenized.json").is_file() and list((cache / "train").glob("*.parquet"))
+
+    (own_data / "arith_train.json").rename(own_data / "arith_train.json.moved")  # tokenizing would now fail
+    _, second = prepare(**settings)
+    out = capsys.readouterr().out
+    assert f"reusing tokenized data from {cache}: {{'train_examples': 304, 'eval_examples': 16}}" in out
+    assert "data ready" not in out  # nothing was tokenized
+    assert (rows_of(second.train), rows_of(second.eval)) == (rows_of(first.train), rows_of(first.eval))
+
+    # The driver takes the same path (its early data checks skip a reusable cache) and trains from it.
+    result = run_exp(sft_config(**settings, max_steps=2))
+    assert result.data_stats == {"train_examples": 304, "eval_examples": 16}
+    assert [r["current_steps"] for r in read_log(result.output_dir) if "loss" in r] == [1, 2]
+
+
+def test_changed_setting_needs_overwrite_cache_which_tokenizes_again(prepare, own_data, tmp_path, capsys):
+    cache = tmp_path / "tokenized"
+    # 800 rows: two blocks, so the cache holds two parquet files that must be read back in order.
+    settings = dict(dataset="tasks_openai,tasks_sharegpt", dataset_dir=str(own_data), tokenized_path=str(cache))
+    _, first = prepare(**settings, cutoff_len=256)
+    assert max(len(r["input_ids"]) for r in rows_of(first.train)) > 64
+    assert len(list((cache / "train").glob("*.parquet"))) == 2
+    _, reused = prepare(**settings, cutoff_len=256)
+    assert rows_of(reused.train) == rows_of(first.train)
+
+    with pytest.raises(DataConfigError) as err:
+        prepare(**settings, cutoff_len=64)
+    assert str(err.value) == (
+        f"tokenized_path {cache} was made with different settings (cutoff_len: 256 -> 64). Set "
+        "overwrite_cache: true to tokenize again into it, or point tokenized_path at a new folder."
+    )
+
+    capsys.readouterr()
+    _, fresh = prepare(**settings, cutoff_len=64, overwrite_cache=True)
+    assert "data ready" in capsys.readouterr().out  # tokenized again
+    assert max(len(r["input_ids"]) for r in rows_of(fresh.train)) <= 64
+    # The folder now holds only the new rows (Ray's write_parquet would append to the old files).
+    _, reused = prepare(**settings, cutoff_len=64)
+    assert rows_of(reused.train) == rows_of(fresh.train)
+    assert reused.stats == fresh.stats == {"train_examples": 800, "eval_examples": 0}
+    assert len(list((cache / "train").glob("*.parquet"))) == 2

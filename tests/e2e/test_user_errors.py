@@ -1,0 +1,183 @@
+"""User mistakes through the real console script: exit code 2 and one paragraph on stderr.
+
+Each case runs ``.venv/bin/rayfactory train cfg.yaml`` as a subprocess in a fresh folder with its
+own small dataset_dir. Mistakes that need no cluster (unknown names, a missing model, a dataset
+that cannot serve the stage) must fail before Ray starts: those runs get ``RAY_ADDRESS=""``, so a
+regression would start a local Ray and print "Started a local Ray instance". Mistakes found by Ray
+(a bad row inside a Ray Data task, too few CPUs) join the test session's Ray instead of starting
+one per case (~15 s each on 2 cores).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from stages.callbacks import read_log
+
+RAYFACTORY = os.path.join(os.path.dirname(sys.executable), "rayfactory")
+LOCAL_RAY_STARTED = "Started a local Ray instance"
+ROWS = 12
+BAD_ROW = 7  # 1-based, as the error names it
+
+
+def write_dataset(folder) -> str:
+    """An alpaca dataset of 12 additions whose row 7 has a list where the answer text belongs."""
+    data = folder / "data"
+    data.mkdir()
+    rows = [{"instruction": f"What is {i}+1?", "input": "", "output": str(i + 1)} for i in range(ROWS)]
+    rows[BAD_ROW - 1]["output"] = ["7", "seven"]
+    (data / "mine.json").write_text(json.dumps(rows, indent=1))
+    (data / "dataset_info.json").write_text(json.dumps({"mine": {"file_name": "mine.json"}}))
+    return str(data / "mine.json")
+
+
+def write_config(folder, **overrides) -> None:
+    config = {
+        "model_name_or_path": "tiny:qwen2",
+        "template": "qwen",
+        "stage": "sft",
+        "finetuning_type": "full",
+        "dataset": "mine",
+        "dataset_dir": "data",
+        "cutoff_len": 64,
+        "output_dir": "out",
+        "per_device_train_batch_size": 4,
+        "max_steps": 2,
+        "logging_steps": 1,
+        "save_steps": 1000,
+        "report_to": "none",
+        "ray_num_workers": 1,
+        "ray_storage_path": "ray",
+    }
+    config.update(overrides)
+    (folder / "cfg.yaml").write_text("".join(f"{k}: {json.dumps(v)}\n" for k, v in config.items()))
+
+
+def rayfactory_train(folder, ray_address: str = "", timeout: int = 300) -> subprocess.CompletedProcess:
+    env = {**os.environ, "RAY_ADDRESS": ray_address}
+    env.pop("PYTHONPATH", None)  # the console script must work as installed
+    return subprocess.run(
+        [RAYFACTORY, "train", "cfg.yaml"], cwd=str(folder), env=env, capture_output=True, text=True, timeout=timeout
+    )
+
+
+def error_paragraph(done: subprocess.CompletedProcess) -> str:
+    """The one error line, after checking the rest of the contract (exit 2, no traceback)."""
+    assert done.returncode == 2, done.stdout[-3000:] + done.stderr[-3000:]
+    assert "Traceback" not in done.stderr, done.stderr[-3000:]
+    errors = [line for line in done.stderr.splitlines() if line.startswith("rayfactory: error: ")]
+    assert len(errors) == 1, done.stderr[-3000:]
+    assert done.stderr.rstrip("\n").endswith(errors[0])  # the last thing the user reads
+    return errors[0][len("rayfactory: error: "):]
+
+
+@pytest.fixture
+def session_address(ray_session):
+    return ray_session.get_runtime_context().gcs_address
+
+
+def test_bad_row_names_dataset_file_row_and_field(tmp_path, session_address):
+    source = write_dataset(tmp_path)
+    write_config(tmp_path)
+    message = error_paragraph(rayfactory_train(tmp_path, session_address))
+    assert message == (
+        f"row {BAD_ROW} of {source} (dataset 'mine'): column 'output' is a list, expected a string. "
+        "Fix the row, or set skip_bad_rows: true to drop such rows and report them."
+    )
+
+
+def test_skip_bad_rows_trains_and_reports_the_skipped_row(tmp_path, session_address):
+    source = write_dataset(tmp_path)
+    write_config(tmp_path, skip_bad_rows=True, max_steps=2)
+    done = rayfactory_train(tmp_path, session_address)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert (
+        f"[rayfactory] dataset 'mine': skipped 1 of {ROWS} rows (skip_bad_rows is on): row {BAD_ROW} of {source} "
+        "(dataset 'mine'): column 'output' is a list, expected a string." in done.stdout
+    )
+    assert f"'train_examples': {ROWS - 1}, 'eval_examples': 0" in done.stdout
+    assert [r["current_steps"] for r in read_log(str(tmp_path / "out")) if "loss" in r] == [1, 2]
+
+
+def test_dpo_on_single_answer_data_fails_before_ray_starts(tmp_path):
+    write_dataset(tmp_path)
+    write_config(tmp_path, stage="dpo")
+    done = rayfactory_train(tmp_path)
+    message = error_paragraph(done)
+    assert message == (
+        f"Stage 'dpo' trains on preference pairs, but dataset 'mine' (in {tmp_path / 'data' / 'dataset_info.json'}) "
+        "is not a ranking dataset: it lacks \"ranking\": true and the columns \"chosen\" and \"rejected\". "
+        "Use a ranking dataset or add them."
+    )
+    assert LOCAL_RAY_STARTED not in done.stderr + done.stdout
+
+
+@pytest.mark.parametrize(
+    "overrides, expected",
+    [
+        (
+            {"dataset": "mien"},
+            "Dataset 'mien' is not defined in {data}/dataset_info.json. Did you mean: mine?",
+        ),
+        (
+            {"template": "qwen9"},
+            "template: Unknown template 'qwen9'. Did you mean 'qwen', 'qwen3'? Run `rayfactory templates`",
+        ),
+        (
+            {"model_name_or_path": "./models/my-model"},
+            "model_name_or_path './models/my-model' does not exist (looked for {tmp}/models/my-model). "
+            "Point it at a model folder, use a hub id such as Qwen/Qwen2.5-0.5B-Instruct, or tiny:qwen2",
+        ),
+        (
+            {"model_name_or_path": "/nonexistent/models/my-model"},
+            "model_name_or_path '/nonexistent/models/my-model' does not exist "
+            "(looked for /nonexistent/models/my-model).",
+        ),
+    ],
+    ids=["unknown-dataset", "unknown-template", "missing-relative-model", "missing-absolute-model"],
+)
+def test_config_mistakes_fail_before_ray_starts(tmp_path, overrides, expected):
+    write_dataset(tmp_path)
+    write_config(tmp_path, **overrides)
+    done = rayfactory_train(tmp_path)
+    message = error_paragraph(done)
+    assert message.startswith(expected.format(tmp=tmp_path, data=tmp_path / "data")), message
+    assert LOCAL_RAY_STARTED not in done.stderr + done.stdout
+
+
+def test_more_workers_than_cluster_cpus_fails_fast(tmp_path, ray_session, session_address):
+    have = ray_session.cluster_resources()["CPU"]
+    workers = int(have) + 4
+    write_dataset(tmp_path)
+    write_config(tmp_path, ray_num_workers=workers)
+    done = rayfactory_train(tmp_path, session_address, timeout=180)
+    message = error_paragraph(done)
+    assert message == (
+        f"ray_num_workers={workers} with resources_per_worker CPU=1 needs {workers} CPU but the Ray cluster has "
+        f"{have:g}. Lower ray_num_workers or resources_per_worker, or add nodes."
+    )
+    assert "data ready" not in done.stdout  # nothing was tokenized for a run that cannot start
+
+
+def test_changed_setting_on_reused_tokenized_path_exits_2(tmp_path, session_address, monkeypatch):
+    """The tokenized_path mismatch (tested in depth in test_data_pipeline) is a user error too."""
+    from cluster.config import load_config
+    from fabric.data_pipeline import prepare_datasets
+    from stages.loading import load_tokenizer_and_template
+
+    write_dataset(tmp_path)
+    write_config(tmp_path, tokenized_path="tok", skip_bad_rows=True)
+    monkeypatch.chdir(tmp_path)  # the config's relative paths, as the CLI resolves them
+    cfg = load_config("cfg.yaml")
+    prepare_datasets(cfg, *load_tokenizer_and_template(cfg.model, cfg.data))  # the first run's tokenizing
+    write_config(tmp_path, tokenized_path="tok", skip_bad_rows=True, cutoff_len=32)
+    message = error_paragraph(rayfactory_train(tmp_path, session_address))
+    assert message == (
+        f"tokenized_path {tmp_path / 'tok'} was made with different settings (cutoff_len: 64 -> 32). Set "
+        "overwrite_cache: true to tokenize again into it, or point tokenized_path at a new folder."
+    )

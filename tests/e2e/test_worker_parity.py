@@ -1,0 +1,108 @@
+"""Data parallelism is exact: 2 workers x 8 rows train the same model as 1 worker x 16 rows.
+
+Why the curves can match at all: every worker gets the whole tokenized dataset and the Trainer's
+seeded sampler deals each step's global batch out to the ranks (fabric/worker.py), and
+transformers 5 averages the loss over the tokens of the *global* batch
+(``average_tokens_across_devices``, on by default): each rank divides its token-loss sum by the
+token count summed over all ranks, DDP averages the gradients, so the update equals one process
+dividing the whole batch's loss sum by its token count. What is left is float rounding: two
+half-batch matmuls and a gloo all-reduce add in a different order than one full-batch matmul.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+import pytest
+from ray import cloudpickle
+from transformers import TrainerCallback
+
+from cluster.driver import run_exp
+from stages.callbacks import read_log
+
+from tests.e2e.conftest import tiny_sft_config
+
+TRAIN_ROWS = 320  # data/arith_train.json
+
+# Measured on this 2-core machine: the 20 logged losses of the two runs differ by at most
+# ~2e-6 relative (float rounding, see the module docstring). 1e-3 leaves a wide margin yet fails
+# at once if a rank saw other rows, or the per-rank loss were averaged per device instead.
+REL_TOL = 1e-3
+
+# Workers cannot import this test module by name: ship the recorder class by value.
+cloudpickle.register_pickle_by_value(sys.modules[__name__])
+
+
+class RecordRankIndices(TrainerCallback):
+    """Writes the dataset rows this rank's dataloader yields in epoch 0, without consuming it."""
+
+    def __init__(self, folder: str):
+        self.folder = folder
+
+    def on_train_begin(self, args, state, control, train_dataloader=None, **kwargs):
+        sampler = _seedable_sampler(train_dataloader)
+        epoch = sampler.epoch
+        batches = [list(map(int, batch)) for batch in train_dataloader.batch_sampler]
+        sampler.set_epoch(epoch)  # iterating advanced it; training must start from the same order
+        os.makedirs(self.folder, exist_ok=True)
+        with open(os.path.join(self.folder, f"rank{args.process_index}.json"), "w", encoding="utf-8") as f:
+            json.dump(batches, f)
+
+
+def _seedable_sampler(dataloader):
+    """accelerate's per-rank shard wraps the batch sampler that wraps the seeded random sampler."""
+    inner = dataloader.batch_sampler
+    while not hasattr(inner, "set_epoch") or not hasattr(inner, "epoch"):
+        inner = getattr(inner, "batch_sampler", None) or getattr(inner, "sampler")
+    return inner
+
+
+def _losses(output_dir: str) -> list[tuple[int, float]]:
+    return [(r["current_steps"], r["loss"]) for r in read_log(output_dir) if "loss" in r]
+
+
+@pytest.fixture(scope="module")
+def two_workers(ray_session, tmp_path_factory):
+    """One epoch on 2 workers x 8 rows, recording which rows each rank was dealt."""
+    out = tmp_path_factory.mktemp("two_workers")
+    config = tiny_sft_config(out / "run", ray_num_workers=2, per_device_train_batch_size=8,
+                             max_steps=-1, num_train_epochs=1)
+    result = run_exp(config, callbacks=[RecordRankIndices(str(out / "indices"))])
+    return result.output_dir, str(out / "indices")
+
+
+def test_two_workers_match_one_worker_on_the_same_global_batch(ray_session, tmp_path, two_workers):
+    two_dir, _ = two_workers
+    one = run_exp(tiny_sft_config(tmp_path / "one", per_device_train_batch_size=16, max_steps=-1, num_train_epochs=1))
+    two_losses, one_losses = _losses(two_dir), _losses(one.output_dir)
+
+    assert [s for s, _ in one_losses] == list(range(1, 21))  # 320 rows / 16 per step
+    assert [s for s, _ in two_losses] == [s for s, _ in one_losses]
+    worst = max(abs(a - b) / abs(b) for (_, a), (_, b) in zip(two_losses, one_losses))
+    print(f"largest relative loss difference, 2x8 vs 1x16: {worst:.2e}")
+    assert worst < REL_TOL, (two_losses, one_losses)
+    # It trained (a flat curve would match trivially).
+    assert one_losses[-1][1] < 0.6 * one_losses[0][1]
+
+
+def test_each_worker_trains_on_its_own_half_of_the_data(ray_session, tmp_path, two_workers):
+    two_dir, indices_dir = two_workers
+    single = run_exp(tiny_sft_config(tmp_path / "single", per_device_train_batch_size=8, max_steps=-1, num_train_epochs=1))
+
+    # Same per-worker batch: twice the workers, half the optimizer steps for one epoch.
+    assert read_log(single.output_dir)[-1]["total_steps"] == TRAIN_ROWS // 8 == 40
+    assert read_log(two_dir)[-1]["total_steps"] == 20
+    assert [s for s, _ in _losses(two_dir)] == list(range(1, 21))
+
+    ranks = []
+    for rank in (0, 1):
+        with open(os.path.join(indices_dir, f"rank{rank}.json"), encoding="utf-8") as f:
+            ranks.append(json.load(f))
+    assert [len(batches) for batches in ranks] == [20, 20]
+    assert all(len(batch) == 8 for batches in ranks for batch in batches)
+    rows0 = [i for batch in ranks[0] for i in batch]
+    rows1 = [i for batch in ranks[1] for i in batch]
+    assert not set(rows0) & set(rows1), "both workers trained on the same rows"
+    assert sorted(rows0 + rows1) == list(range(TRAIN_ROWS)), "an epoch must cover every row exactly once"
