@@ -255,7 +255,8 @@ def format_table(results: list[dict]) -> str:
         ("steps", "steps", "{}"), ("train tokens/s", "tokens_per_s", "{:,.0f}"), ("steps/s", "steps_per_s", "{:.2f}"),
         ("time to first step", "time_to_first_step_s", "{:.1f} s"), ("train loop", "train_loop_s", "{:.1f} s"),
         ("total wall", "wall_s", "{:.1f} s"), ("peak RSS (all procs)", "peak_tree_rss_gib", "{:.2f} GiB"),
-        ("peak PSS (all procs)", "peak_tree_pss_gib", "{:.2f} GiB"), ("max RSS / worker", "worker_max_rss_mib", "{:.0f} MiB"),
+        ("peak PSS (all procs)", "peak_tree_pss_gib", "{:.2f} GiB"),
+        ("max RSS / worker", "worker_max_rss_mib", "{:.0f} MiB"),
     ]
     lines = ["| " + " | ".join(title for title, _, _ in columns) + " |", "|" + "---|" * len(columns)]
     for row in results:

@@ -293,6 +293,14 @@ def _check_and_resolve(run: RunConfig, where: typing.Callable[[str], str]) -> No
                 training["deepspeed"] = json.load(f)
         except (json.JSONDecodeError, UnicodeDecodeError) as exc:
             raise ConfigError(f"deepspeed config file {ds} is not valid JSON ({exc}). Fix the file.") from None
+    ds_config = training.get("deepspeed")
+    zero_stage = ds_config.get("zero_optimization", {}).get("stage") if isinstance(ds_config, dict) else None
+    if model.quantization_bit and zero_stage == 3:
+        raise ConfigError(
+            f"quantization_bit {model.quantization_bit} (QLoRA) cannot be combined with the DeepSpeed ZeRO-3 config "
+            f"from {where('deepspeed')}: bitsandbytes weights cannot be partitioned. Use a ZeRO-2 config "
+            "(configs/deepspeed/ds_z2_config.json) or drop quantization_bit."
+        )
     resume = training.get("resume_from_checkpoint")
     if isinstance(resume, str):
         if not os.path.isdir(resume):

@@ -107,7 +107,8 @@ def submission_env(environ: Mapping[str, str] | None = None) -> dict[str, str]:
 def _token_available(env: Mapping[str, str]) -> bool:
     if env.get("RAY_AUTH_TOKEN"):
         return True
-    path = env.get("RAY_AUTH_TOKEN_PATH") or os.path.join(env.get("HOME", os.path.expanduser("~")), ".ray", "auth_token")
+    home = env.get("HOME") or os.path.expanduser("~")
+    path = env.get("RAY_AUTH_TOKEN_PATH") or os.path.join(home, ".ray", "auth_token")
     return os.path.isfile(path)
 
 

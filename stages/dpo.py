@@ -15,7 +15,6 @@ tests/stages/test_pref_losses.py checks each loss against TRL's own loss functio
 
 from __future__ import annotations
 
-from collections import defaultdict
 from dataclasses import dataclass
 
 import torch
@@ -27,7 +26,14 @@ from .collators import build_collator
 from .job import StageJob
 from .loading import load_model, load_tokenizer_and_template
 from .outputs import save_outputs
-from .preference import Reference, build_reference, disable_dropout, forward_logps, keep_pair_columns
+from .preference import (
+    BatchMetricsMixin,
+    Reference,
+    build_reference,
+    disable_dropout,
+    forward_logps,
+    keep_pair_columns,
+)
 
 LENGTH_NORMALIZED = ("ipo", "orpo", "simpo")  # these compare average, not summed, log-probs
 
@@ -83,11 +89,8 @@ def preference_loss(
     return PreferenceLoss(losses, beta * chosen_ratio.detach(), beta * rejected_ratio.detach())
 
 
-class PreferenceTrainer(Trainer):
+class PreferenceTrainer(BatchMetricsMixin, Trainer):
     """The Trainer whose loss is ``preference_loss`` on a stacked [chosen; rejected] batch."""
-
-    # compute_loss returns a per-batch mean: the Trainer must still divide by accumulation steps.
-    loss_is_scaled_for_ga = False
 
     def __init__(self, *args, reference: Reference, finetuning_args, **kwargs):
         super().__init__(*args, **kwargs)
@@ -97,7 +100,6 @@ class PreferenceTrainer(Trainer):
         self.ftx = finetuning_args.pref_ftx
         self.label_smoothing = finetuning_args.dpo_label_smoothing
         self.simpo_gamma = finetuning_args.simpo_gamma
-        self._metrics = {"train": defaultdict(list), "eval": defaultdict(list)}
         reference.prepare(self)
 
     def batch_loss(self, model, inputs) -> tuple[torch.Tensor, dict[str, float]]:
@@ -132,42 +134,6 @@ class PreferenceTrainer(Trainer):
             "sft_loss": sft_loss.detach().mean().item(),
         }
         return losses.mean(), metrics
-
-    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
-        loss, metrics = self.batch_loss(model, inputs)
-        store = self._metrics["train" if model.training else "eval"]
-        for key, value in metrics.items():
-            store[key].append(value)
-        return (loss, metrics) if return_outputs else loss
-
-    def prediction_step(self, model, inputs, prediction_loss_only, ignore_keys=None):
-        inputs = self._prepare_inputs(inputs)
-        with torch.no_grad(), self.compute_loss_context_manager():
-            loss = self.compute_loss(model, inputs)
-        return loss.detach(), None, None
-
-    def pop_metrics(self, mode: str) -> dict[str, float]:
-        """Means of the values stored since the last call, averaged over all workers (collective)."""
-        store = self._metrics[mode]
-        if not store:
-            return {}
-        keys = sorted(store)
-        means = torch.tensor([sum(store[k]) / len(store[k]) for k in keys], device=self.args.device)
-        if self.accelerator.num_processes > 1:
-            means = self.accelerator.reduce(means, reduction="mean")
-        store.clear()
-        return dict(zip(keys, means.tolist()))
-
-    def evaluation_loop(self, *args, **kwargs):
-        output = super().evaluation_loop(*args, **kwargs)
-        prefix = kwargs.get("metric_key_prefix", "eval")
-        output.metrics.update({f"{prefix}_{k}": v for k, v in self.pop_metrics("eval").items()})
-        return output
-
-    def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
-        if "loss" in logs:  # a training logging step (every rank gets here, so the reduce is safe)
-            logs.update(self.pop_metrics("train"))
-        super().log(logs, start_time)
 
 
 def run_dpo(job: StageJob) -> dict:

@@ -13,7 +13,6 @@ loss lives in a thin ``transformers.Trainer`` subclass instead.
 
 from __future__ import annotations
 
-from collections import defaultdict
 from dataclasses import dataclass
 from typing import Callable, Optional
 
@@ -25,7 +24,14 @@ from .collators import build_collator
 from .job import StageJob
 from .loading import load_model, load_tokenizer_and_template
 from .outputs import save_outputs
-from .preference import Reference, build_reference, disable_dropout, forward_logps
+from .preference import (
+    BatchMetricsMixin,
+    Reference,
+    build_reference,
+    disable_dropout,
+    forward_logps,
+    keep_pair_columns,
+)
 
 
 @dataclass
@@ -74,7 +80,7 @@ def kto_loss(
 
 # ------------------------------------------------------------------------------ the trainer
 
-class KTOTrainer(Trainer):
+class KTOTrainer(BatchMetricsMixin, Trainer):
     """``transformers.Trainer`` whose loss is KTO over the KTO collator's batches.
 
     Per batch: one forward pass of the policy on the tagged answers (with gradients), one on the
@@ -85,20 +91,17 @@ class KTOTrainer(Trainer):
         super().__init__(*args, **kwargs)
         self.finetuning_args = finetuning_args
         self.reference = reference
-        self.reference.prepare(self)
-        # The loss is ours and already a per-batch mean: the Trainer must divide it by the
-        # accumulation steps itself instead of expecting the model to normalise by token count.
-        self.model_accepts_loss_kwargs = False
-        self._metrics = {"train": defaultdict(float), "eval": defaultdict(float)}
+        reference.prepare(self)
 
-    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+    def batch_loss(self, model, inputs) -> tuple[torch.Tensor, dict[str, float]]:
         args = self.finetuning_args
         tags = inputs["kto_tags"].bool()
-        logps, lengths = forward_logps(model, inputs["input_ids"], inputs["attention_mask"], inputs["labels"])
+        batch = (inputs["input_ids"], inputs["attention_mask"], inputs["labels"])
         kl_batch = (inputs["kl_input_ids"], inputs["kl_attention_mask"], inputs["kl_labels"])
+        logps, lengths = forward_logps(model, *batch)
         with torch.no_grad():
             kl_logps, _ = forward_logps(model, *kl_batch)
-        ref_logps, _ = self.reference.logps(model, inputs["input_ids"], inputs["attention_mask"], inputs["labels"])
+        ref_logps, _ = self.reference.logps(model, *batch)
         ref_kl_logps, _ = self.reference.logps(model, *kl_batch)
 
         out = kto_loss(
@@ -107,58 +110,46 @@ class KTOTrainer(Trainer):
         )
         loss = out.loss
         if args.pref_ftx > 0 and tags.any():
-            # SFT on the desirable answers: mean per-token negative log-likelihood.
+            # SFT on the desirable answers: their mean per-token negative log-likelihood.
             loss = loss + args.pref_ftx * (-(logps[tags] / lengths[tags].clamp(min=1))).mean()
-        self._record(out, logps.detach(), tags, "train" if model.training else "eval")
-        return (loss, {}) if return_outputs else loss
+        logps = logps.detach()
+        # Sums and counts, not means: a batch may hold one kind only (see pop_metrics).
+        metrics = {
+            "kl": out.kl.item(),
+            "chosen/count": float(tags.sum()),
+            "rejected/count": float((~tags).sum()),
+            "chosen/rewards_sum": out.chosen_rewards.sum().item(),
+            "rejected/rewards_sum": out.rejected_rewards.sum().item(),
+            "chosen/logps_sum": logps[tags].sum().item(),
+            "rejected/logps_sum": logps[~tags].sum().item(),
+        }
+        return loss, metrics
 
-    def prediction_step(self, model, inputs, prediction_loss_only, ignore_keys=None):
-        """Evaluation needs the loss and the reward metrics only (there are no logits to return)."""
-        inputs = self._prepare_inputs(inputs)
-        with torch.no_grad(), self.compute_loss_context_manager():
-            loss = self.compute_loss(model, inputs)
-        return loss.detach(), None, None
+    def pop_metrics(self, mode: str) -> dict[str, float]:
+        """Per-row means since the last log line. The mixin averages each key over batches and
+        workers (all see equally many batches), so mean(sums) / mean(counts) is the exact ratio."""
+        means = super().pop_metrics(mode)
+        if not means:
+            return {}
+        metrics = {"kl": means["kl"]}
+        for kind in ("chosen", "rejected"):
+            if means[f"{kind}/count"] > 0:
+                metrics[f"rewards/{kind}"] = means[f"{kind}/rewards_sum"] / means[f"{kind}/count"]
+                metrics[f"logps/{kind}"] = means[f"{kind}/logps_sum"] / means[f"{kind}/count"]
+        if "rewards/chosen" in metrics and "rewards/rejected" in metrics:
+            metrics["rewards/margins"] = metrics["rewards/chosen"] - metrics["rewards/rejected"]
+        return metrics
 
     def _mean_over_workers(self, value: torch.Tensor) -> torch.Tensor:
+        if self.accelerator.num_processes == 1:
+            return value
         return self.accelerator.reduce(value.reshape(1), reduction="mean").reshape(())
-
-    def _record(self, out: KTOLossOutput, logps: torch.Tensor, tags: torch.Tensor, mode: str) -> None:
-        """Accumulate sums and counts (over every worker) until the next log line."""
-        stats = torch.stack([
-            out.chosen_rewards.sum(), torch.tensor(float(out.chosen_rewards.numel())),
-            out.rejected_rewards.sum(), torch.tensor(float(out.rejected_rewards.numel())),
-            logps[tags].sum(), logps[~tags].sum(), out.kl, torch.tensor(1.0),
-        ]).to(self.args.device, torch.float32)
-        stats = self.accelerator.reduce(stats, reduction="sum").tolist()
-        names = ("chosen_sum", "chosen_n", "rejected_sum", "rejected_n", "logps_chosen", "logps_rejected",
-                 "kl_sum", "batches")
-        for name, value in zip(names, stats):
-            self._metrics[mode][name] += value
-
-    def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
-        mode = "eval" if any(key.startswith("eval_") for key in logs) else "train"
-        sums, self._metrics[mode] = self._metrics[mode], defaultdict(float)
-        prefix = "eval_" if mode == "eval" else ""
-        metrics = {}
-        if sums["batches"]:
-            metrics["kl"] = sums["kl_sum"] / sums["batches"]
-        if sums["chosen_n"]:
-            metrics["rewards/chosen"] = sums["chosen_sum"] / sums["chosen_n"]
-            metrics["logps/chosen"] = sums["logps_chosen"] / sums["chosen_n"]
-        if sums["rejected_n"]:
-            metrics["rewards/rejected"] = sums["rejected_sum"] / sums["rejected_n"]
-            metrics["logps/rejected"] = sums["logps_rejected"] / sums["rejected_n"]
-        if sums["chosen_n"] and sums["rejected_n"]:
-            metrics["rewards/margins"] = metrics["rewards/chosen"] - metrics["rewards/rejected"]
-        logs.update({prefix + key: round(value, 6) for key, value in metrics.items()})
-        super().log(logs, start_time)
 
 
 # ------------------------------------------------------------------------------ the recipe
 def run_kto(job: StageJob) -> dict:
-    args = job.training_args
     # The KTO columns (kl_*, kto_tags) are not arguments of the model's forward(): keep them.
-    args.remove_unused_columns = False
+    args = keep_pair_columns(job.training_args)
     # 1. tokenizer and template exactly as the data was tokenized with
     tokenizer, template = load_tokenizer_and_template(job.model_args, job.data_args)
     # 2. policy with its adapter, and the frozen reference (LoRA: the same model, adapter off)

@@ -19,6 +19,10 @@ Public API (stable; stages/kto.py imports it):
   log-probs under ``torch.no_grad()``; ``policy`` is the model the Trainer hands ``compute_loss``.
 * ``keep_pair_columns(training_args) -> training_args``: sets ``remove_unused_columns=False``
   (else the Trainer drops chosen_*/rejected_*/kl_* columns, which no model forward names).
+* ``BatchMetricsMixin``: put before ``transformers.Trainer`` in a stage's Trainer that defines
+  ``batch_loss(model, inputs) -> (loss, {name: float})``; it stores the metrics per batch, logs
+  their means (averaged over workers) with each training log line and adds them, prefixed
+  ``eval_``, to evaluation results. Evaluation computes only the loss (no logits are gathered).
 * ``pairwise_logps(model, pairs, pad_token_id, batch_size) -> (chosen, rejected)`` and
   ``preference_accuracy(model, pairs, pad_token_id, batch_size) -> float``: over tokenized pairs
   (rows with chosen_/rejected_ input_ids, attention_mask, labels, as registries.tokenize.pairwise
@@ -31,6 +35,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import logging
+from collections import defaultdict
 from dataclasses import dataclass
 from typing import Any, Literal, Sequence
 
@@ -168,6 +173,55 @@ def keep_pair_columns(training_args):
     return training_args
 
 
+class BatchMetricsMixin:
+    """Per-batch metrics of a custom loss, logged like TRL's trainers log theirs (see module doc)."""
+
+    # batch_loss returns a per-batch mean: the Trainer must still divide by accumulation steps.
+    loss_is_scaled_for_ga = False
+
+    def batch_loss(self, model, inputs) -> tuple[torch.Tensor, dict[str, float]]:
+        raise NotImplementedError
+
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        loss, metrics = self.batch_loss(model, inputs)
+        if not hasattr(self, "_batch_metrics"):
+            self._batch_metrics = {"train": defaultdict(list), "eval": defaultdict(list)}
+        store = self._batch_metrics["train" if model.training else "eval"]
+        for key, value in metrics.items():
+            store[key].append(value)
+        return (loss, metrics) if return_outputs else loss
+
+    def prediction_step(self, model, inputs, prediction_loss_only, ignore_keys=None):
+        inputs = self._prepare_inputs(inputs)
+        with torch.no_grad(), self.compute_loss_context_manager():
+            loss = self.compute_loss(model, inputs)
+        return loss.detach(), None, None
+
+    def pop_metrics(self, mode: str) -> dict[str, float]:
+        """Means of the values stored since the last call, averaged over all workers (a collective:
+        the Trainer logs and evaluates on every rank, so every rank gets here)."""
+        store = getattr(self, "_batch_metrics", {}).get(mode)
+        if not store:
+            return {}
+        keys = sorted(store)
+        means = torch.tensor([sum(store[k]) / len(store[k]) for k in keys], device=self.args.device)
+        if self.accelerator.num_processes > 1:
+            means = self.accelerator.reduce(means, reduction="mean")
+        store.clear()
+        return dict(zip(keys, means.tolist()))
+
+    def evaluation_loop(self, *args, **kwargs):
+        output = super().evaluation_loop(*args, **kwargs)
+        prefix = kwargs.get("metric_key_prefix", "eval")
+        output.metrics.update({f"{prefix}_{k}": v for k, v in self.pop_metrics("eval").items()})
+        return output
+
+    def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
+        if "loss" in logs:  # a training log line
+            logs.update(self.pop_metrics("train"))
+        super().log(logs, start_time)
+
+
 # --------------------------------------------------------------- held-out preference accuracy
 
 
@@ -203,6 +257,7 @@ def preference_accuracy(model, pairs: Sequence[dict] | Any, pad_token_id: int, b
 
 
 __all__ = [
+    "BatchMetricsMixin",
     "Reference",
     "build_reference",
     "disable_dropout",

@@ -459,3 +459,11 @@ def test_ray_address_and_storage_resolution(monkeypatch, tmp_path):
     assert RayArguments(ray_address="10.0.0.1:6379").resolved_address() == "10.0.0.1:6379"
     assert RayArguments(ray_storage_path="runs").ray_storage_path == str(tmp_path / "runs")
     assert RayArguments(ray_storage_path="s3://bucket/runs").ray_storage_path == "s3://bucket/runs"
+
+
+def test_qlora_with_zero3_is_refused(tmp_path):
+    ds = tmp_path / "z3.json"
+    ds.write_text('{"zero_optimization": {"stage": 3}, "train_batch_size": "auto"}')
+    with pytest.raises(ConfigError, match=r"quantization_bit 4 \(QLoRA\) cannot be combined with the DeepSpeed ZeRO-3"):
+        load_config({"model_name_or_path": "tiny:qwen2", "output_dir": str(tmp_path / "o"), "dataset": "arith_train",
+                     "finetuning_type": "qlora", "deepspeed": str(ds)})

@@ -3,7 +3,8 @@
 Full fine-tuning of the random-init tiny Qwen2 on "What is a+b?" (arith_train) must answer
 unseen sums (arith_eval) by greedy decoding. The LoRA quickstart run (2 workers) must leave an
 adapter that plain peft loads, and whose eval loss the driver reports is the loss that adapter
-really has on arith_eval, below the base model's.
+really has on arith_eval (recomputed here), far below the base model's. LoRA on a random-init
+base learns little exact match in a few steps, so loss, not accuracy, is its yardstick.
 """
 
 from __future__ import annotations
@@ -15,8 +16,6 @@ import pytest
 import torch
 
 from cluster.driver import run_exp
-from registries.datasets.info import get_dataset_attrs
-from registries.datasets.readers import read_table
 from registries.models import load_tokenizer
 from registries.templates import get_template
 from registries.tokenize import IGNORE_INDEX
@@ -35,8 +34,9 @@ def base_dir() -> str:
 
 
 def eval_rows() -> list[dict]:
-    table = read_table(get_dataset_attrs(["arith_eval"], DATA_DIR)[0])
-    return table.to_pylist()
+    """arith_eval: 80 sums of two numbers below 20 that arith_train never shows."""
+    with open(os.path.join(DATA_DIR, "arith_eval.json"), encoding="utf-8") as f:
+        return json.load(f)
 
 
 def tokenizer_and_template(model_dir: str):
@@ -61,23 +61,32 @@ def accuracy(model, tokenizer, template) -> float:
 
 
 @torch.no_grad()
-def eval_loss_per_example(model, tokenizer, template) -> float:
-    """Mean over arith_eval examples of each one's mean token loss on the answer: what the
-    Trainer's eval_loss is with per_device_eval_batch_size 1 (labels encoded as training does)."""
-    losses = []
+def trainer_eval_loss(model, tokenizer, template, global_batch: int) -> float:
+    """arith_eval loss as the Trainer reports it, recomputed one example at a time.
+
+    transformers 5 averages over the tokens of each *global* eval batch (every rank divides its
+    token-loss sum by the token count gathered from all ranks, ``average_tokens_across_devices``)
+    and then over batches. Eval is not shuffled and each rank takes every other per-device batch,
+    so global batch k is examples [k*global_batch, (k+1)*global_batch) in file order.
+    """
+    sums, counts = [], []
     for row in eval_rows():
         ids, labels = encode_supervised_example(
             tokenizer, template, [{"role": "user", "content": row["instruction"]}],
             [{"role": "assistant", "content": row["output"]}], system="", tools="", cutoff_len=CUTOFF_LEN,
         )
-        assert any(label != IGNORE_INDEX for label in labels)
-        out = model(input_ids=torch.tensor([ids]), labels=torch.tensor([labels]))
-        losses.append(out.loss.item())
-    return sum(losses) / len(losses)
+        count = sum(label != IGNORE_INDEX for label in labels[1:])  # the model shifts labels by one
+        mean = model(input_ids=torch.tensor([ids]), labels=torch.tensor([labels])).loss.item()
+        sums.append(mean * count)
+        counts.append(count)
+    assert len(sums) % global_batch == 0, "a short last batch would be weighted differently"
+    batches = [sum(sums[i : i + global_batch]) / sum(counts[i : i + global_batch])
+               for i in range(0, len(sums), global_batch)]
+    return sum(batches) / len(batches)
 
 
 # Measured here (4 seeds: 42, 1, 2, 3): 0.84, 0.93, 0.99, 0.81 exact match after these 800
-# steps (~20 s of training alone); the untrained model scores 0. The bar of 0.5 sits far below
+# steps (~30 s of training on an idle 2-core machine); the untrained model scores 0. The bar of 0.5 sits far below
 # every seed's result and far above chance.
 FULL_SFT = dict(max_steps=800, learning_rate=2e-3, lr_scheduler_type="cosine", warmup_steps=20, logging_steps=10)
 
@@ -107,7 +116,6 @@ def quickstart_config(output_dir, **overrides) -> dict:
         dataset_dir=DATA_DIR,
         output_dir=str(output_dir),
         ray_storage_path=os.path.join(str(output_dir), "ray"),
-        per_device_eval_batch_size=1,  # eval_loss is then a per-example mean this test recomputes
         **overrides,
     )
     config.pop("num_train_epochs")
@@ -115,6 +123,7 @@ def quickstart_config(output_dir, **overrides) -> dict:
 
 
 QUICKSTART_STEPS = 60
+EVAL_GLOBAL_BATCH = 8 * 2  # transformers' default per_device_eval_batch_size x the quickstart's 2 workers
 
 
 def test_lora_quickstart_adapter_loads_with_peft_and_beats_the_base(ray_session, tmp_path):
@@ -122,6 +131,7 @@ def test_lora_quickstart_adapter_loads_with_peft_and_beats_the_base(ray_session,
 
     config = quickstart_config(tmp_path / "quickstart", max_steps=QUICKSTART_STEPS)
     assert config["ray_num_workers"] == 2 and config["finetuning_type"] == "lora" and config["plot_loss"]
+    assert "per_device_eval_batch_size" not in config  # EVAL_GLOBAL_BATCH assumes the default
     result = run_exp(config)
     out = result.output_dir
 
@@ -139,16 +149,19 @@ def test_lora_quickstart_adapter_loads_with_peft_and_beats_the_base(ray_session,
     base = load_model(base_dir())
     ids = torch.tensor([template.encode_oneturn(tokenizer, [{"role": "user", "content": "What is 3+4?"},
                                                             {"role": "assistant", "content": ""}])[0]])
-    base_logits = base(input_ids=ids).logits
-    base_loss = eval_loss_per_example(base, tokenizer, template)
+    with torch.no_grad():
+        base_logits = base(input_ids=ids).logits
+    base_loss = trainer_eval_loss(base, tokenizer, template, EVAL_GLOBAL_BATCH)
 
     tuned = PeftModel.from_pretrained(base, out).eval()  # plain peft, no RayFactory code
-    tuned_logits = tuned(input_ids=ids).logits
-    tuned_loss = eval_loss_per_example(tuned, tokenizer, template)
+    with torch.no_grad():
+        tuned_logits = tuned(input_ids=ids).logits
+    tuned_loss = trainer_eval_loss(tuned, tokenizer, template, EVAL_GLOBAL_BATCH)
+    moved = (tuned_logits - base_logits).abs().max().item()
     print(f"arith_eval loss: base {base_loss:.4f}, adapter {tuned_loss:.4f}, reported {reported:.4f}; "
-          f"exact match with adapter {accuracy(tuned, tokenizer, template):.3f}")
+          f"largest logit change {moved:.2f}; exact match with adapter {accuracy(tuned, tokenizer, template):.3f}")
 
-    assert (tuned_logits - base_logits).abs().max() > 1.0  # the adapter changes what the model says
+    assert moved > 1.0  # the adapter changes what the model says
     # The reported eval loss is this adapter's loss on arith_eval (float rounding aside) ...
     assert tuned_loss == pytest.approx(reported, rel=1e-4)
     # ... and far below the untrained base's (~ln(vocab) = 6.9 for random weights).
