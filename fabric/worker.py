@@ -29,6 +29,7 @@ class WorkerPayload:
 def train_loop(config: dict) -> None:
     """Ray Train's train_loop_per_worker."""
     from ray.train.huggingface.transformers import prepare_trainer
+    from transformers import set_seed
 
     from stages.job import StageJob
     from stages.registry import get_stage_runner
@@ -44,6 +45,7 @@ def train_loop(config: dict) -> None:
     if payload.training_options.values.get("deepspeed"):
         _join_deepspeed_comm(payload.use_cpu)
     training_args = payload.training_options.build(**({"use_cpu": True} if payload.use_cpu else {}))
+    set_seed(training_args.seed)  # the stage builds the model (LoRA init) before the Trainer seeds
     job = StageJob(
         model_args=payload.model_args,
         data_args=payload.data_args,
