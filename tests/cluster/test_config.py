@@ -206,7 +206,7 @@ def test_resume_path_becomes_absolute(tmp_path):
 
 def test_resolved_config_round_trips():
     with open("ds.json", "w") as f:
-        json.dump({"zero_optimization": {"stage": 3}}, f)
+        json.dump({"zero_optimization": {"stage": 2}}, f)
     run = load_config(write(LF_SFT_LORA), ["deepspeed=ds.json", "finetuning_type=qlora", "val_size=0.1"])
     path = run.write_yaml()
     assert path == os.path.join(run.training.output_dir, "rayfactory_config.yaml")
@@ -215,7 +215,7 @@ def test_resolved_config_round_trips():
             "# Resolved by RayFactory from cfg.yaml; `rayfactory train rayfactory_config.yaml` repeats it.\n"
         )
         written = yaml.safe_load(f)
-    assert written["quantization_bit"] == 4 and written["deepspeed"] == {"zero_optimization": {"stage": 3}}
+    assert written["quantization_bit"] == 4 and written["deepspeed"] == {"zero_optimization": {"stage": 2}}
     again = load_config(path)
     assert again.resolved() == run.resolved()
     assert again.notes == []
