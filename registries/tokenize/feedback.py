@@ -60,7 +60,7 @@ def preprocess_feedback(
         logger.warning("kto: a batch with one usable row pairs it with its own response for the KL term; "
                        "use larger batches so the KL term sees mismatched pairs.")
     for position, (row, prompt, response, tag) in enumerate(usable):
-        kl_response = usable[position - 1][2]  # position 0 wraps to the last usable row
+        kl_response = _mismatched_response(usable, position)
         system, tools = optional_text(batch, "_system", row), optional_text(batch, "_tools", row)
         with row_context("kto", batch, row):
             input_ids, labels = encode_feedback_example(
@@ -85,3 +85,18 @@ def preprocess_feedback(
         if stats is not None:
             stats["single_tag_batches"] = stats.get("single_tag_batches", 0) + 1
     return out
+
+
+def _mismatched_response(usable: list, position: int) -> dict:
+    """The response of the nearest earlier row (wrapping around) asked a different prompt.
+
+    KTO data often lists a prompt's good and bad answer next to each other; the plain previous
+    row would then pair a prompt with its own answer and the KL estimate would not be of a
+    mismatched pair. With a single prompt in the batch the previous row is the only choice."""
+    prompt = usable[position][1]
+    for step in range(1, len(usable)):
+        candidate = usable[position - step]
+        if candidate[1] != prompt:
+            return candidate[2]
+    return usable[position - 1][2]
+

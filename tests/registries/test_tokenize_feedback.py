@@ -39,6 +39,18 @@ def test_kto_pairs_each_prompt_with_the_previous_rows_response_for_kl():
     assert out["kl_attention_mask"] == [[1] * len(ids) for ids in out["kl_input_ids"]]
 
 
+def test_kl_pairing_never_borrows_an_answer_to_the_same_prompt():
+    # KTO files often list a prompt's good and bad answer side by side.
+    out = run(tagged("a", "good", True), tagged("a", "bad", False), tagged("b", "yes", True), tagged("b", "no", False))
+    pairs = [("a", "no"), ("a", "no"), ("b", "bad"), ("b", "bad")]
+    assert out["kl_input_ids"] == [example(p, r)[0] for p, r in pairs]
+
+
+def test_kl_pairing_with_a_single_prompt_falls_back_to_the_previous_row():
+    out = run(tagged("a", "x", True), tagged("a", "y", False))
+    assert out["kl_input_ids"] == [example("a", "y")[0], example("a", "x")[0]]
+
+
 def test_kl_pairing_skips_unusable_rows_and_accepts_numpy_bools():
     stats = Counter()
     batch = batch_of(tagged("a", "x", np.bool_(True)), tagged("b", "y", None), tagged("c", "z", np.bool_(False)))
