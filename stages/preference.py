@@ -117,8 +117,9 @@ class Reference:
         with torch.no_grad():
             if self.kind == "model":
                 return forward_logps(self.model, input_ids, attention_mask, labels)
+            # The bare module, not a DDP wrapper: this pass has no backward for DDP to sync.
             with self.disabled_adapter(policy):
-                return forward_logps(policy, input_ids, attention_mask, labels)
+                return forward_logps(unwrap(policy), input_ids, attention_mask, labels)
 
     @staticmethod
     @contextlib.contextmanager

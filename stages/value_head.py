@@ -112,6 +112,11 @@ def load_reward_model(output_dir: str, base_model: str | None = None, template: 
     from .loading import load_model, load_tokenizer_and_template
 
     output_dir = os.path.abspath(output_dir)
+    if not os.path.isfile(os.path.join(output_dir, VALUE_HEAD_FILE)):
+        raise FileNotFoundError(
+            f"{output_dir} holds no {VALUE_HEAD_FILE}, so it is not a reward model saved by stage rm. "
+            "Point at the output_dir (or a checkpoint) of an rm run."
+        )
     if is_adapter_folder(output_dir):
         with open(os.path.join(output_dir, "adapter_config.json"), encoding="utf-8") as f:
             base = base_model or json.load(f)["base_model_name_or_path"]

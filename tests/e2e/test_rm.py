@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import sys
 
 import pytest
@@ -39,9 +40,40 @@ def example_config(name: str, tmp_path, **overrides) -> dict:
     return config
 
 
-def held_out_pairs() -> tuple[list[dict], int]:
-    """arith_pref_eval tokenized as stage rm does, and the pad id."""
-    data_args = DataArguments(dataset="arith_pref_eval", dataset_dir=DATA_DIR, cutoff_len=64, template="qwen")
+def write_far_miss_pairs(folder) -> str:
+    """Preference pairs on the addition prompts (arith_train / held-out arith_eval): chosen the
+    right sum, rejected a random wrong number from 0..38, seeded. Returns the dataset_dir.
+
+    Why not arith_pref: its rejected answers are near misses (sum +-1 or 2), and a value head on
+    this random-init model does not learn to tell them apart: measured 0.42-0.57 held-out (and
+    ~0.55 even on the training pairs) after 300-1000 steps, from scratch or from an sft model
+    that answers the sums. Far misses it learns: 0.80 (LoRA, 600 steps) to 0.85 (full, 1000).
+    """
+    rng = random.Random(0)
+    info = {}
+    for split in ("train", "eval"):
+        with open(os.path.join(DATA_DIR, f"arith_{split}.json"), encoding="utf-8") as f:
+            rows = json.load(f)
+        pairs = []
+        for row in rows:
+            wrong = int(row["output"])
+            while wrong == int(row["output"]):
+                wrong = rng.randrange(39)
+            pairs.append({"instruction": row["instruction"], "chosen": row["output"], "rejected": str(wrong)})
+        with open(os.path.join(folder, f"far_{split}.json"), "w", encoding="utf-8") as f:
+            json.dump(pairs, f)
+        info[f"far_{split}"] = {
+            "file_name": f"far_{split}.json", "ranking": True,
+            "columns": {"prompt": "instruction", "chosen": "chosen", "rejected": "rejected"},
+        }
+    with open(os.path.join(folder, "dataset_info.json"), "w", encoding="utf-8") as f:
+        json.dump(info, f)
+    return str(folder)
+
+
+def held_out_pairs(dataset_dir: str) -> tuple[list[dict], int]:
+    """far_eval tokenized as stage rm does, and the pad id."""
+    data_args = DataArguments(dataset="far_eval", dataset_dir=dataset_dir, cutoff_len=64, template="qwen")
     tokenizer, template = load_tokenizer_and_template(ModelArguments(model_name_or_path="tiny:qwen2"), data_args)
     rows = load_aligned(data_args, "rm").train
     columns = get_preprocess_fn("rm", tokenizer, template, data_args)({k: [r[k] for r in rows] for k in rows[0]})
@@ -66,63 +98,48 @@ class ScoreAtTrainEnd(TrainerCallback):
             json.dump(rewards.tolist(), f)
 
 
-# Measured here: see the report. The bar sits well inside the measured spread and far above chance.
 STEPS = 600
 
 
-def test_reward_model_learns_held_out_pairs_and_reloads_identically(ray_session, tmp_path):
-    pairs, pad_id = held_out_pairs()
+def test_lora_reward_model_learns_held_out_pairs_and_reloads_identically(ray_session, tmp_path):
+    """configs/rm_lora.yaml on far-miss pairs: held-out pair accuracy from chance (the Trainer's
+    own evaluation before step 1) to high; the saved adapter + value head reload into a model
+    that scores sequences exactly as the trained one did at the end of training."""
+    dataset_dir = write_far_miss_pairs(tmp_path)
+    pairs, pad_id = held_out_pairs(dataset_dir)
     probe = PairwiseCollator(pad_token_id=pad_id)(pairs[:4])  # 4 chosen then 4 rejected, padded
     scores_path = str(tmp_path / "scores.json")
     config = example_config(
-        "rm_lora.yaml", tmp_path, finetuning_type="full", lora_target=None, lora_rank=None,
-        additional_target=None, max_steps=STEPS, save_steps=STEPS,
+        "rm_lora.yaml", tmp_path, dataset="far_train", eval_dataset="far_eval", dataset_dir=dataset_dir,
+        max_steps=STEPS, save_steps=STEPS, eval_strategy="steps", eval_steps=STEPS, eval_on_start=True,
     )
-    config = {k: v for k, v in config.items() if v is not None}
 
     result = run_exp(config, callbacks=[ScoreAtTrainEnd(probe, scores_path)])
     out = result.output_dir
 
-    for name in ("model.safetensors", VALUE_HEAD_FILE, "tokenizer.json", "chat_template.jinja", "all_results.json"):
+    for name in ("adapter_model.safetensors", "adapter_config.json", VALUE_HEAD_FILE, "chat_template.jinja"):
         assert os.path.exists(os.path.join(out, name)), name
+    assert not os.path.exists(os.path.join(out, "model.safetensors"))
     model, tokenizer = load_reward_model(out)
     assert tokenizer.pad_token_id == pad_id
     with open(scores_path, encoding="utf-8") as f:
         at_train_end = json.load(f)
     reloaded = score(model, probe["input_ids"], probe["attention_mask"]).tolist()
     assert reloaded == pytest.approx(at_train_end, abs=1e-5)
+    assert len({round(s, 4) for s in reloaded}) > 1  # a score per sequence, not a constant
 
-    accuracy = reward_accuracy(model, pairs, pad_id)
-    print(f"rm: arith_pref_eval pair accuracy {accuracy:.3f}")
-    assert accuracy >= 0.8
-    with open(os.path.join(out, "all_results.json"), encoding="utf-8") as f:
-        results = json.load(f)
-    # The Trainer's own evaluation of the same pairs (other batch shapes: a near-tie may flip).
-    assert results["eval_accuracy"] == pytest.approx(accuracy, abs=1.5 / len(pairs))
+    records = read_log(out)
+    evals = [r for r in records if "eval_accuracy" in r]
+    assert [r["current_steps"] for r in evals][:2] == [0, STEPS]
+    before = evals[0]["eval_accuracy"]
+    after = reward_accuracy(model, pairs, pad_id)
+    print(f"rm: far_eval pair accuracy {before:.3f} -> {after:.3f}")
+    assert before <= 0.65
+    assert after >= 0.7
+    # The Trainer's own evaluation of the same pairs agrees (other batch shapes: a near-tie may flip).
+    assert evals[1]["eval_accuracy"] == pytest.approx(after, abs=1.5 / len(pairs))
 
-    train = [r for r in read_log(out) if "loss" in r]
+    train = [r for r in records if "loss" in r]
     assert [r["current_steps"] for r in train] == list(range(10, STEPS + 1, 10))
     assert all({"rewards/accuracies", "rewards/margins"} <= set(r) for r in train)
-    assert sum(r["loss"] for r in train[-5:]) < 0.7 * sum(r["loss"] for r in train[:5])
-
-
-def test_lora_reward_model_saves_adapter_and_value_head_and_reloads_identically(ray_session, tmp_path):
-    pairs, pad_id = held_out_pairs()
-    probe = PairwiseCollator(pad_token_id=pad_id)(pairs[:4])
-    scores_path = str(tmp_path / "scores.json")
-    config = example_config("rm_lora.yaml", tmp_path, max_steps=5, logging_steps=1)
-    config.pop("eval_dataset")
-
-    result = run_exp(config, callbacks=[ScoreAtTrainEnd(probe, scores_path)])
-    out = result.output_dir
-
-    for name in ("adapter_model.safetensors", "adapter_config.json", VALUE_HEAD_FILE):
-        assert os.path.exists(os.path.join(out, name)), name
-    assert not os.path.exists(os.path.join(out, "model.safetensors"))
-    model, _ = load_reward_model(out)
-    with open(scores_path, encoding="utf-8") as f:
-        at_train_end = json.load(f)
-    reloaded = score(model, probe["input_ids"], probe["attention_mask"]).tolist()
-    assert reloaded == pytest.approx(at_train_end, abs=1e-5)
-    assert len(set(round(s, 4) for s in reloaded)) > 1  # a real score per sequence, not a constant
-    assert [r["current_steps"] for r in read_log(out) if "loss" in r] == [1, 2, 3, 4, 5]
+    assert sum(r["loss"] for r in train[-5:]) < 0.8 * sum(r["loss"] for r in train[:5])

@@ -262,3 +262,21 @@ def test_value_head_scores_the_last_real_token_whatever_the_padding(tiny):
         padded = model(right, mask)
     assert padded.rewards.tolist() == pytest.approx([alone.item()] * 2, rel=1e-5)
     assert padded.values[0, len(ids) - 1].item() == pytest.approx(alone.item(), rel=1e-5)
+
+
+def test_full_reward_model_saves_weights_and_value_head_and_reloads_identically(tiny, tmp_path):
+    from stages.value_head import VALUE_HEAD_FILE, load_reward_model, score
+
+    model_args, tokenizer = tiny
+    torch.manual_seed(0)
+    model = ValueHeadModel(load_policy(model_args, tokenizer, tuning(finetuning_type="full"))).eval()
+    torch.nn.init.normal_(model.v_head.weight)
+    model.save(str(tmp_path))
+    tokenizer.save_pretrained(str(tmp_path))
+    assert {"model.safetensors", VALUE_HEAD_FILE} <= set(os.listdir(tmp_path))
+
+    reloaded, _ = load_reward_model(str(tmp_path), template="qwen")
+    ids = [tokenizer.encode("What is 3+4? 7"), tokenizer.encode("What is 3+4? 9")]
+    assert score(reloaded, ids).tolist() == pytest.approx(score(model, ids).tolist(), abs=1e-6)
+    with pytest.raises(FileNotFoundError, match="not a reward model saved by stage rm"):
+        load_reward_model(str(tmp_path / "nothing-here"))
