@@ -34,7 +34,13 @@ for path in (REPO_ROOT, os.path.dirname(os.path.abspath(__file__))):
         sys.path.insert(0, path)
 
 import train_throughput  # noqa: E402 (after the path set-up above)
-from train_throughput import BenchCallback, TreeMemorySampler, _count_params, build_20m_model, machine_line  # noqa: E402
+from train_throughput import (  # noqa: E402
+    BenchCallback,
+    TreeMemorySampler,
+    _count_params,
+    build_20m_model,
+    machine_line,
+)
 
 # (model, finetuning_type, pref_loss)
 CASES = {

@@ -48,7 +48,8 @@ class ValueHeadModel(nn.Module):
         self.config = pretrained_model.config
         base = pretrained_model.get_base_model() if hasattr(pretrained_model, "get_base_model") else pretrained_model
         # Only the hidden states are needed: models that can skip the (B, L, vocab) logits do.
-        self._lm_kwargs = {"logits_to_keep": 1} if "logits_to_keep" in inspect.signature(base.forward).parameters else {}
+        skips_logits = "logits_to_keep" in inspect.signature(base.forward).parameters
+        self._lm_kwargs = {"logits_to_keep": 1} if skips_logits else {}
 
     def forward(self, input_ids, attention_mask=None, **kwargs) -> ValueHeadOutput:
         if attention_mask is None:
