@@ -95,18 +95,13 @@ def _report_callback():
 
 def _resume_point(payload: WorkerPayload) -> Optional[str]:
     """A restarted worker group resumes from Ray's last reported checkpoint; otherwise the user's
-    ``resume_from_checkpoint`` (a path, or true for the latest one in output_dir)."""
+    ``resume_from_checkpoint`` (a checkpoint folder; cluster/config.py checks it exists)."""
     checkpoint = ray.train.get_checkpoint()
     if checkpoint is not None:
         local = checkpoint.to_directory()
         nested = os.path.join(local, RAY_CKPT_SUBDIR)
         return nested if os.path.isdir(nested) else local
-    resume = payload.resume_from_checkpoint
-    if resume in (True, "true", "True"):
-        from transformers.trainer_utils import get_last_checkpoint
-
-        return get_last_checkpoint(payload.training_options.output_dir)
-    return resume or None
+    return payload.resume_from_checkpoint or None
 
 
 def _join_deepspeed_comm(use_cpu: bool) -> None:
