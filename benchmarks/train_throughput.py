@@ -14,25 +14,13 @@ Train workers), sampled with psutil. Figures, not asserts: on a shared machine t
 
 from __future__ import annotations
 
-import argparse
-import json
 import os
-import platform
-import resource
-import subprocess
 import sys
 import tempfile
-import threading
-import time
 
-REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-if REPO_ROOT not in sys.path:
-    sys.path.insert(0, REPO_ROOT)
+from harness import REPO_ROOT, bench_main, measure_run
 
-from transformers import TrainerCallback  # noqa: E402 (after the path set-up above)
-
-# ~20M parameters: 6 x (attention 0.8M + MLP 2.4M) + untied embeddings 2 x 1024 x 512.
-MODEL_20M = dict(hidden_size=512, num_layers=6, num_heads=8, intermediate_size=1536)
+# name -> (model, Ray Train workers)
 CASES = {
     "quickstart-1w": ("quickstart", 1),
     "quickstart-2w": ("quickstart", 2),
@@ -40,72 +28,14 @@ CASES = {
     "20m-2w": ("20m", 2),
 }
 DEFAULT_STEPS = {"quickstart": 60, "20m": 30}
-SAMPLE_INTERVAL_S = 0.5
-
-
-class BenchCallback(TrainerCallback):
-    """Runs inside each Ray Train worker; writes wall-clock marks and the worker's peak RSS.
-
-    Defined in the script, so Ray pickles it by value: the workers need no import of it.
-    """
-
-    def __init__(self, out_dir: str):
-        self.out_dir = out_dir
-        self.marks: dict = {}
-
-    def on_train_begin(self, args, state, control, **kwargs):
-        self.marks["train_begin"] = time.time()
-
-    def on_step_end(self, args, state, control, **kwargs):
-        if state.global_step == 1:
-            self.marks["first_step"] = time.time()
-            self.marks["tokens_at_first_step"] = state.num_input_tokens_seen
-
-    def on_train_end(self, args, state, control, **kwargs):
-        import torch.distributed as dist
-
-        rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
-        self.marks.update(
-            train_end=time.time(),
-            steps=state.global_step,
-            tokens=state.num_input_tokens_seen,  # non-padding, summed over all ranks
-            max_rss_mib=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
-        )
-        os.makedirs(self.out_dir, exist_ok=True)
-        with open(os.path.join(self.out_dir, f"rank{rank}.json"), "w") as f:
-            json.dump(self.marks, f)
-
-
-class TreeMemorySampler(threading.Thread):
-    """Peak summed RSS and PSS of this process and all its descendants (the local Ray's too).
-
-    RSS counts pages shared between processes (torch's libraries) once per process; PSS splits
-    them, so it is the better 'how much RAM does the run take' figure.
-    """
-
-    def __init__(self):
-        super().__init__(daemon=True)
-        self.peak_rss = self.peak_pss = 0
-        self._halt = threading.Event()
-
-    def run(self):
-        import psutil
-
-        me = psutil.Process()
-        while not self._halt.is_set():
-            rss = pss = 0
-            for proc in [me, *me.children(recursive=True)]:
-                try:
-                    info = proc.memory_full_info()
-                    rss, pss = rss + info.rss, pss + getattr(info, "pss", info.rss)
-                except psutil.Error:
-                    pass
-            self.peak_rss, self.peak_pss = max(self.peak_rss, rss), max(self.peak_pss, pss)
-            self._halt.wait(SAMPLE_INTERVAL_S)
-
-    def stop(self):
-        self._halt.set()
-        self.join()
+COLUMNS = [
+    ("case", "case", "{}"), ("params", "params_m", "{:.1f}M"), ("workers", "workers", "{}"),
+    ("steps", "steps", "{}"), ("train tokens/s", "tokens_per_s", "{:,.0f}"), ("steps/s", "steps_per_s", "{:.2f}"),
+    ("time to first step", "time_to_first_step_s", "{:.1f} s"), ("train loop", "train_loop_s", "{:.1f} s"),
+    ("total wall", "wall_s", "{:.1f} s"), ("peak RSS (all procs)", "peak_tree_rss_gib", "{:.2f} GiB"),
+    ("peak PSS (all procs)", "peak_tree_pss_gib", "{:.2f} GiB"),
+    ("max RSS / worker", "worker_max_rss_mib", "{:.0f} MiB"),
+]
 
 
 def case_config(model: str, workers: int, steps: int, model_path: str | None, out_dir: str) -> dict:
@@ -133,137 +63,12 @@ def case_config(model: str, workers: int, steps: int, model_path: str | None, ou
     return config
 
 
-def run_case(name: str, steps: int, model_path: str | None, result_file: str) -> None:
-    """Child process: one run on a fresh local Ray; writes its figures as JSON."""
+def run_case(name: str, steps: int, model_path: str | None) -> dict:
     model, workers = CASES[name]
-    sampler = TreeMemorySampler()
-    sampler.start()
     with tempfile.TemporaryDirectory(prefix=f"bench-{name}-") as out_dir:
-        from cluster.driver import run_exp
-
-        marks_dir = os.path.join(out_dir, "bench")
-        config = case_config(model, workers, steps, model_path, os.path.join(out_dir, "out"))
-        start = time.time()
-        run_exp(config, callbacks=[BenchCallback(marks_dir)])
-        wall = time.time() - start
-        sampler.stop()
-        ranks = [json.load(open(os.path.join(marks_dir, f))) for f in sorted(os.listdir(marks_dir))]
-        from stages.loading import resolve_model_path
-
-        params = _count_params(resolve_model_path(config["model_name_or_path"]))
-    first = ranks[0]
-    steady_tokens = first["tokens"] - first["tokens_at_first_step"]
-    steady_time = first["train_end"] - first["first_step"]
-    figures = {
-        "case": name,
-        "params_m": params / 1e6,
-        "workers": workers,
-        "steps": first["steps"],
-        "tokens": first["tokens"],
-        "tokens_per_s": steady_tokens / steady_time if steady_time > 0 else None,
-        "steps_per_s": (first["steps"] - 1) / steady_time if steady_time > 0 else None,
-        "time_to_first_step_s": first["first_step"] - start,
-        "train_loop_s": first["train_end"] - first["train_begin"],
-        "wall_s": wall,
-        "peak_tree_rss_gib": sampler.peak_rss / 2**30,
-        "peak_tree_pss_gib": sampler.peak_pss / 2**30,
-        "worker_max_rss_mib": max(r["max_rss_mib"] for r in ranks),
-        "driver_max_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
-    }
-    with open(result_file, "w") as f:
-        json.dump(figures, f)
-
-
-def _count_params(model_path: str) -> int:
-    """Parameters of the base model (a LoRA run's output dir holds only the adapter)."""
-    import torch
-    import transformers
-
-    config = transformers.AutoConfig.from_pretrained(model_path)
-    with torch.device("meta"):  # shapes only, no memory
-        base = transformers.AutoModelForCausalLM.from_config(config)
-    return sum(p.numel() for p in base.parameters())
-
-
-def build_20m_model(directory: str) -> str:
-    from registries.models import build_tiny_model
-
-    return str(build_tiny_model("qwen2", directory, **MODEL_20M))
-
-
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--cases", default=",".join(CASES), help=f"comma-separated, from: {', '.join(CASES)}")
-    parser.add_argument("--steps", type=int, default=None, help="training steps per case (default: per model)")
-    parser.add_argument("--json", default=None, help="also write every case's figures to this file")
-    parser.add_argument("--run-case", default=None, help=argparse.SUPPRESS)  # child mode
-    parser.add_argument("--model-path", default=None, help=argparse.SUPPRESS)
-    parser.add_argument("--result-file", default=None, help=argparse.SUPPRESS)
-    args = parser.parse_args(argv)
-
-    if args.run_case:
-        run_case(args.run_case, args.steps, args.model_path, args.result_file)
-        return 0
-
-    names = [n.strip() for n in args.cases.split(",") if n.strip()]
-    unknown = [n for n in names if n not in CASES]
-    if unknown:
-        parser.error(f"unknown case(s) {', '.join(unknown)}; choose from {', '.join(CASES)}")
-    # A child must start its own Ray: one reached through RAY_ADDRESS would not be measured.
-    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
-    results = []
-    with tempfile.TemporaryDirectory(prefix="bench-") as work:
-        model_path = build_20m_model(os.path.join(work, "qwen2-20m")) if any("20m" in n for n in names) else None
-        for name in names:
-            model = CASES[name][0]
-            result_file = os.path.join(work, f"{name}.json")
-            command = [sys.executable, os.path.abspath(__file__), "--run-case", name, "--result-file", result_file,
-                       "--steps", str(args.steps or DEFAULT_STEPS[model])]
-            if model_path:
-                command += ["--model-path", model_path]
-            print(f"[bench] {name} ...", file=sys.stderr, flush=True)
-            log_path = os.path.join(work, f"{name}.log")
-            with open(log_path, "w") as log:
-                code = subprocess.call(command, env=env, stdout=log, stderr=subprocess.STDOUT, cwd=REPO_ROOT)
-            if code != 0:
-                with open(log_path, encoding="utf-8", errors="replace") as f:
-                    sys.stderr.write(f.read()[-4000:])
-                print(f"[bench] {name} failed (exit {code})", file=sys.stderr)
-                continue
-            with open(result_file) as f:
-                results.append(json.load(f))
-    print(machine_line())
-    print(format_table(results))
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"machine": machine_line(), "results": results}, f, indent=2)
-    return 0 if len(results) == len(names) else 1
-
-
-def machine_line() -> str:
-    import psutil
-
-    load = ", ".join(f"{x:.1f}" for x in os.getloadavg())
-    return (f"{platform.processor() or platform.machine()}, {os.cpu_count()} CPU cores, "
-            f"{psutil.virtual_memory().total / 2**30:.0f} GiB RAM, no GPU, Python {platform.python_version()}; "
-            f"load average at the end {load}")
-
-
-def format_table(results: list[dict]) -> str:
-    columns = [
-        ("case", "case", "{}"), ("params", "params_m", "{:.1f}M"), ("workers", "workers", "{}"),
-        ("steps", "steps", "{}"), ("train tokens/s", "tokens_per_s", "{:,.0f}"), ("steps/s", "steps_per_s", "{:.2f}"),
-        ("time to first step", "time_to_first_step_s", "{:.1f} s"), ("train loop", "train_loop_s", "{:.1f} s"),
-        ("total wall", "wall_s", "{:.1f} s"), ("peak RSS (all procs)", "peak_tree_rss_gib", "{:.2f} GiB"),
-        ("peak PSS (all procs)", "peak_tree_pss_gib", "{:.2f} GiB"),
-        ("max RSS / worker", "worker_max_rss_mib", "{:.0f} MiB"),
-    ]
-    lines = ["| " + " | ".join(title for title, _, _ in columns) + " |", "|" + "---|" * len(columns)]
-    for row in results:
-        cells = [fmt.format(row[key]) if row.get(key) is not None else "n/a" for _, key, fmt in columns]
-        lines.append("| " + " | ".join(cells) + " |")
-    return "\n".join(lines)
+        figures = measure_run(case_config(model, workers, steps, model_path, out_dir))
+    return {"workers": workers, **figures}
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(bench_main(__file__, __doc__, CASES, lambda name: DEFAULT_STEPS[CASES[name][0]], run_case, COLUMNS))

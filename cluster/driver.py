@@ -33,6 +33,7 @@ def run_exp(
     from fabric.data_pipeline import check_data, prepare_datasets
     from fabric.launcher import launch_training
     from fabric.ray_session import connect
+    from stages.loading import check_model_fits
 
     output_dir = cfg.training.output_dir
     os.makedirs(output_dir, exist_ok=True)
@@ -43,6 +44,7 @@ def run_exp(
     # Mistakes that need no cluster fail before Ray starts: model path, template, datasets.
     # The driver tokenizes (through Ray Data) with the very tokenizer and template the workers load.
     tokenizer, template = _load_tokenizer_and_template(cfg)
+    check_model_fits(cfg.model, cfg.finetuning)
     check_data(cfg)
     resources = connect(cfg.ray)
     _check_resources(cfg, resources)
@@ -61,14 +63,8 @@ def _load_tokenizer_and_template(cfg: RunConfig):
     from registries.templates.autodetect import AUTO
     from stages.loading import load_tokenizer_and_template
 
+    _check_local_paths(cfg)
     path = cfg.model.model_name_or_path
-    if _looks_local(path) and not os.path.exists(os.path.expanduser(path)):
-        # Checked here: transformers would take a missing path for a hub id and retry the hub.
-        raise ConfigError(
-            f"model_name_or_path {path!r} does not exist (looked for {os.path.abspath(os.path.expanduser(path))}). "
-            "Point it at a model folder, use a hub id such as Qwen/Qwen2.5-0.5B-Instruct, or tiny:qwen2 "
-            "for a tiny test model."
-        )
     if cfg.data.template not in (None, AUTO):
         try:
             get_template(cfg.data.template)
@@ -81,6 +77,28 @@ def _load_tokenizer_and_template(cfg: RunConfig):
             f"cannot load the tokenizer of model_name_or_path {path!r}: {exc} Check the folder or hub id "
             "(a hub id needs network access or a filled Hugging Face cache)."
         ) from None
+
+
+def _check_local_paths(cfg: RunConfig) -> None:
+    """Every model or adapter path that looks local must exist. Checked here, before any work:
+    transformers and peft would take a missing path for a hub id and fail much later, on a worker."""
+    tuning = cfg.finetuning
+    named = [("model_name_or_path", cfg.model.model_name_or_path), ("ref_model", tuning.ref_model),
+             ("reward_model", tuning.reward_model)]
+    for key, paths in (("adapter_name_or_path", cfg.model.adapter_name_or_path),
+                       ("ref_model_adapters", tuning.ref_model_adapters),
+                       ("reward_model_adapters", tuning.reward_model_adapters)):
+        named += [(key, p) for p in paths or ()]
+    for key, path in named:
+        if path and _looks_local(path) and not os.path.exists(os.path.expanduser(path)):
+            if "adapter" in key:
+                fix = "Point it at a folder holding adapter_config.json, or use a hub id of a PEFT adapter."
+            else:
+                fix = ("Point it at a model folder, use a hub id such as Qwen/Qwen2.5-0.5B-Instruct, or tiny:qwen2 "
+                       "for a tiny test model.")
+            raise ConfigError(
+                f"{key} {path!r} does not exist (looked for {os.path.abspath(os.path.expanduser(path))}). {fix}"
+            )
 
 
 def _looks_local(path: str) -> bool:

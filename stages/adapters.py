@@ -41,6 +41,14 @@ def _num_layers(config) -> int:
 
 def _apply_freeze(model, finetuning_args) -> None:
     """Train the last N layers (or the first N with a negative count), optionally only some modules."""
+    patterns, layer_ids = _freeze_patterns(model, finetuning_args)
+    for name, param in model.named_parameters():
+        param.requires_grad_(any(p in name for p in patterns))
+    logger.info("freeze tuning: trainable layers %s", list(layer_ids))
+
+
+def _freeze_patterns(model, finetuning_args) -> tuple[list[str], range]:
+    """Name fragments of the parameters freeze tuning trains, and the trained layer ids."""
     n_layers = _num_layers(model.config)
     n = finetuning_args.freeze_trainable_layers
     layer_ids = range(max(0, n_layers - n), n_layers) if n > 0 else range(min(-n, n_layers))
@@ -63,10 +71,19 @@ def _apply_freeze(model, finetuning_args) -> None:
                 f"freeze_extra_modules: {module!r} not found; choose from {sorted(other_modules)}."
             )
         patterns.append(module)
+    return patterns, layer_ids
 
-    for name, param in model.named_parameters():
-        param.requires_grad_(any(p in name for p in patterns))
-    logger.info("freeze tuning: trainable layers %s", list(layer_ids))
+
+def check_finetuning_fits(model, finetuning_args, model_args) -> None:
+    """Raise AdapterError where lora_target or freeze_* name modules the model lacks.
+
+    Needs only the module tree, so the driver runs it on a meta-device skeleton of the model
+    and the mistake is reported before any worker starts.
+    """
+    if finetuning_args.finetuning_type == "freeze":
+        _freeze_patterns(model, finetuning_args)
+    elif finetuning_args.finetuning_type == "lora" and not model_args.adapter_name_or_path:
+        _lora_targets(model, finetuning_args)
 
 
 def find_linear_modules(model) -> list[str]:
@@ -103,28 +120,32 @@ def _apply_lora(model, finetuning_args, model_args, is_trainable: bool):
     if not is_trainable:
         return model
 
-    targets = _as_list(finetuning_args.lora_target) or ["all"]
-    available = find_linear_modules(model)
-    if targets == ["all"]:
-        targets = available
-    else:
-        missing = [t for t in targets if t not in available]
-        if missing:
-            raise AdapterError(
-                f"lora_target {missing} not found in the model; its linear layers are {available} "
-                "(or use lora_target: all)."
-            )
     config = LoraConfig(
         task_type=TaskType.CAUSAL_LM,
         r=finetuning_args.lora_rank,
         lora_alpha=finetuning_args.lora_alpha or 2 * finetuning_args.lora_rank,
         lora_dropout=finetuning_args.lora_dropout,
-        target_modules=targets,
+        target_modules=_lora_targets(model, finetuning_args),
         use_rslora=finetuning_args.use_rslora,
         use_dora=finetuning_args.use_dora,
         modules_to_save=_as_list(finetuning_args.additional_target) or None,
     )
     return get_peft_model(model, config)
+
+
+def _lora_targets(model, finetuning_args) -> list[str]:
+    """The linear layers' leaf names LoRA wraps (``all``: every one but the output head)."""
+    targets = _as_list(finetuning_args.lora_target) or ["all"]
+    available = find_linear_modules(model)
+    if targets == ["all"]:
+        return available
+    missing = [t for t in targets if t not in available]
+    if missing:
+        raise AdapterError(
+            f"lora_target {missing} not found in the model; its linear layers are {available} "
+            "(or use lora_target: all)."
+        )
+    return targets
 
 
 def _as_list(value) -> list[str]:

@@ -21,11 +21,9 @@ import torch
 import torch.nn.functional as F
 from transformers import Trainer
 
-from .callbacks import JsonlLogCallback
 from .collators import build_collator
 from .job import StageJob
 from .loading import load_model, load_tokenizer_and_template
-from .outputs import save_outputs
 from .preference import (
     BatchMetricsMixin,
     Reference,
@@ -144,20 +142,9 @@ def run_dpo(job: StageJob) -> dict:
     disable_dropout(model)
     reference = build_reference(model, job.model_args, job.finetuning_args, tokenizer, job.training_args)
     # 3. the preference Trainer on this worker's pairs
-    trainer = PreferenceTrainer(
-        model=model,
-        args=keep_pair_columns(job.training_args),
-        train_dataset=job.train_dataset,
-        eval_dataset=job.eval_dataset,
-        data_collator=build_collator("dpo", tokenizer, job.data_args, model),
-        processing_class=tokenizer,
-        callbacks=[JsonlLogCallback(job.training_args.output_dir), *job.callbacks],
-        reference=reference,
-        finetuning_args=job.finetuning_args,
+    trainer = job.build_trainer(
+        PreferenceTrainer, model, tokenizer, build_collator("dpo", tokenizer, job.data_args, model),
+        args=keep_pair_columns(job.training_args), reference=reference, finetuning_args=job.finetuning_args,
     )
-    if job.prepare_trainer is not None:
-        trainer = job.prepare_trainer(trainer)
-    # 4. train (resuming restores optimizer, scheduler, RNG and the data position)
-    result = trainer.train(resume_from_checkpoint=job.resume_from_checkpoint)
-    # 5. adapter/model, tokenizer + chat template, state, metrics, plot
-    return save_outputs(trainer, tokenizer, template, result, job.finetuning_args)
+    # 4. train, then 5. adapter/model, tokenizer + chat template, state, metrics, plot
+    return job.train_and_save(trainer, tokenizer, template)

@@ -19,11 +19,9 @@ from typing import Callable, Optional
 import torch
 from transformers import Trainer
 
-from .callbacks import JsonlLogCallback
 from .collators import build_collator
 from .job import StageJob
 from .loading import load_model, load_tokenizer_and_template
-from .outputs import save_outputs
 from .preference import (
     BatchMetricsMixin,
     Reference,
@@ -157,20 +155,9 @@ def run_kto(job: StageJob) -> dict:
     disable_dropout(model)  # dropout noise would separate policy from reference before any learning
     reference = build_reference(model, job.model_args, job.finetuning_args, tokenizer, args)
     # 3. the KTO trainer on this worker's data
-    trainer = KTOTrainer(
-        model=model,
-        args=args,
-        train_dataset=job.train_dataset,
-        eval_dataset=job.eval_dataset,
-        data_collator=build_collator("kto", tokenizer, job.data_args, model),
-        processing_class=tokenizer,
-        callbacks=[JsonlLogCallback(args.output_dir), *job.callbacks],
-        finetuning_args=job.finetuning_args,
-        reference=reference,
+    trainer = job.build_trainer(
+        KTOTrainer, model, tokenizer, build_collator("kto", tokenizer, job.data_args, model),
+        args=args, finetuning_args=job.finetuning_args, reference=reference,
     )
-    if job.prepare_trainer is not None:
-        trainer = job.prepare_trainer(trainer)
-    # 4. train (resuming restores optimizer, scheduler, RNG and the data position)
-    result = trainer.train(resume_from_checkpoint=job.resume_from_checkpoint)
-    # 5. adapter/model, tokenizer + chat template, state, metrics, plot
-    return save_outputs(trainer, tokenizer, template, result, job.finetuning_args)
+    # 4. train, then 5. adapter/model, tokenizer + chat template, state, metrics, plot
+    return job.train_and_save(trainer, tokenizer, template)

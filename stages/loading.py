@@ -11,7 +11,7 @@ from registries.models import load_tokenizer, tiny_model_path
 from registries.templates.autodetect import resolve_template
 from registries.templates.formatters import FunctionFormatter, ToolFormatter
 
-from .adapters import apply_finetuning, count_parameters
+from .adapters import apply_finetuning, check_finetuning_fits, count_parameters
 
 logger = logging.getLogger(__name__)
 
@@ -71,6 +71,26 @@ def model_dtype(model_args, training_args=None):
     bf16 = bool(getattr(training_args, "bf16", False))
     fp16 = bool(getattr(training_args, "fp16", False))
     return _DTYPES[model_args.load_dtype(bf16, fp16)]
+
+
+def check_model_fits(model_args, finetuning_args) -> None:
+    """Raise AdapterError where the finetuning options name modules the model lacks. Judged on the
+    module tree alone, so the driver can ask before any worker starts."""
+    check_finetuning_fits(model_skeleton(model_args), finetuning_args, model_args)
+
+
+def model_skeleton(model_args):
+    """The model's module tree on the meta device: every module and shape, no weights in memory."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.from_pretrained(
+        resolve_model_path(model_args.model_name_or_path),
+        trust_remote_code=model_args.trust_remote_code,
+        revision=model_args.model_revision,
+        cache_dir=model_args.cache_dir,
+    )
+    with torch.device("meta"):
+        return AutoModelForCausalLM.from_config(config, trust_remote_code=model_args.trust_remote_code)
 
 
 def load_model(model_args, finetuning_args, tokenizer, training_args=None, is_trainable: bool = True):

@@ -16,11 +16,9 @@ import torch.nn.functional as F
 from transformers import Trainer
 from transformers.trainer import TRAINING_ARGS_NAME
 
-from .callbacks import JsonlLogCallback
 from .collators import build_collator
 from .job import StageJob
 from .loading import load_model, load_tokenizer_and_template
-from .outputs import save_outputs
 from .preference import BatchMetricsMixin, keep_pair_columns
 from .value_head import ValueHeadModel, is_adapter_folder
 
@@ -82,18 +80,9 @@ def run_rm(job: StageJob) -> dict:
     # 2. causal LM with its adapter, plus a fresh value head (always trained, whatever the adapter)
     model = ValueHeadModel(load_model(job.model_args, job.finetuning_args, tokenizer, job.training_args))
     # 3. the pairwise Trainer on this worker's pairs
-    trainer = RewardTrainer(
-        model=model,
+    trainer = job.build_trainer(
+        RewardTrainer, model, tokenizer, build_collator("rm", tokenizer, job.data_args, model),
         args=keep_pair_columns(job.training_args),
-        train_dataset=job.train_dataset,
-        eval_dataset=job.eval_dataset,
-        data_collator=build_collator("rm", tokenizer, job.data_args, model),
-        processing_class=tokenizer,
-        callbacks=[JsonlLogCallback(job.training_args.output_dir), *job.callbacks],
     )
-    if job.prepare_trainer is not None:
-        trainer = job.prepare_trainer(trainer)
-    # 4. train (resuming restores optimizer, scheduler, RNG and the data position)
-    result = trainer.train(resume_from_checkpoint=job.resume_from_checkpoint)
-    # 5. LM (adapter or full) + value_head.safetensors, tokenizer + chat template, state, metrics, plot
-    return save_outputs(trainer, tokenizer, template, result, job.finetuning_args)
+    # 4. train, then 5. LM (adapter or full) + value_head.safetensors, tokenizer + chat template, state, metrics
+    return job.train_and_save(trainer, tokenizer, template)

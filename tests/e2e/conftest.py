@@ -5,8 +5,10 @@ from __future__ import annotations
 import os
 
 import pytest
+import yaml
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+DATA_DIR = os.path.join(REPO_ROOT, "data")
 
 
 def tiny_sft_config(output_dir, **overrides) -> dict:
@@ -17,7 +19,7 @@ def tiny_sft_config(output_dir, **overrides) -> dict:
         "stage": "sft",
         "finetuning_type": "full",
         "dataset": "arith_train",
-        "dataset_dir": os.path.join(REPO_ROOT, "data"),
+        "dataset_dir": DATA_DIR,
         "cutoff_len": 64,
         "output_dir": str(output_dir),
         "per_device_train_batch_size": 16,
@@ -38,3 +40,29 @@ def tiny_sft_config(output_dir, **overrides) -> dict:
 @pytest.fixture
 def sft_config(tmp_path):
     return lambda **overrides: tiny_sft_config(tmp_path / "out", **overrides)
+
+
+def example_config(name: str, tmp_path, **overrides) -> dict:
+    """configs/<name> with absolute data and deepspeed paths and the test's output folders.
+
+    num_train_epochs is dropped: the tests set max_steps, sized for what each one measures.
+    """
+    with open(os.path.join(REPO_ROOT, "configs", name), encoding="utf-8") as f:
+        config = yaml.safe_load(f)
+    config.pop("num_train_epochs", None)
+    config.update(dataset_dir=DATA_DIR, output_dir=str(tmp_path / "out"), ray_storage_path=str(tmp_path / "ray"))
+    if "deepspeed" in config:
+        config["deepspeed"] = os.path.join(REPO_ROOT, config["deepspeed"])
+    config.update(overrides)
+    return config
+
+
+def tokenized_pairs(dataset: str, stage: str, tokenizer, template, dataset_dir: str = DATA_DIR) -> list[dict]:
+    """A preference dataset tokenized as `stage` (dpo or rm) does it: rows of chosen_* / rejected_* columns."""
+    from registries.datasets import DataArguments, load_aligned
+    from registries.tokenize import get_preprocess_fn
+
+    data_args = DataArguments(dataset=dataset, dataset_dir=dataset_dir, cutoff_len=64, template="qwen")
+    rows = load_aligned(data_args, stage).train
+    columns = get_preprocess_fn(stage, tokenizer, template, data_args)({k: [r[k] for r in rows] for k in rows[0]})
+    return [dict(zip(columns, values)) for values in zip(*columns.values())]

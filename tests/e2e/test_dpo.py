@@ -17,44 +17,21 @@ import sys
 import pytest
 import ray.cloudpickle
 import torch
-import yaml
 from transformers import TrainerCallback
 
 from cluster.config import load_config
 from cluster.driver import run_exp
-from registries.datasets import DataArguments, load_aligned
-from registries.tokenize import get_preprocess_fn
+from registries.datasets import DataArguments
 from stages.args import ModelArguments
 from stages.callbacks import read_log
 from stages.loading import load_tokenizer_and_template, resolve_model_path
 from stages.preference import preference_accuracy
-from tests.e2e.conftest import REPO_ROOT
+from tests.e2e.conftest import REPO_ROOT, example_config, tokenized_pairs
 
 # Ray pickles the callbacks to the workers, which cannot import this test module by name.
 ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
 
-DATA_DIR = os.path.join(REPO_ROOT, "data")
 REWARD_KEYS = ("rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins")
-
-
-def example_config(name: str, tmp_path, **overrides) -> dict:
-    """configs/<name> with absolute data paths and the test's output folders."""
-    with open(os.path.join(REPO_ROOT, "configs", name), encoding="utf-8") as f:
-        config = yaml.safe_load(f)
-    config.pop("num_train_epochs", None)
-    config.update(dataset_dir=DATA_DIR, output_dir=str(tmp_path / "out"), ray_storage_path=str(tmp_path / "ray"))
-    if "deepspeed" in config:
-        config["deepspeed"] = os.path.join(REPO_ROOT, config["deepspeed"])
-    config.update(overrides)
-    return config
-
-
-def held_out_pairs(tokenizer, template) -> list[dict]:
-    """arith_pref_eval tokenized as stage dpo does: rows of chosen_* / rejected_* columns."""
-    data_args = DataArguments(dataset="arith_pref_eval", dataset_dir=DATA_DIR, cutoff_len=64, template="qwen")
-    rows = load_aligned(data_args, "dpo").train
-    columns = get_preprocess_fn("dpo", tokenizer, template, data_args)({k: [r[k] for r in rows] for k in rows[0]})
-    return [dict(zip(columns, values)) for values in zip(*columns.values())]
 
 
 def pair_accuracy(model_dir: str) -> float:
@@ -64,7 +41,7 @@ def pair_accuracy(model_dir: str) -> float:
         ModelArguments(model_name_or_path=model_dir), DataArguments(template="qwen")
     )
     model = AutoModelForCausalLM.from_pretrained(model_dir)
-    return preference_accuracy(model, held_out_pairs(tokenizer, template), tokenizer.pad_token_id)
+    return preference_accuracy(model, tokenized_pairs("arith_pref_eval", "dpo", tokenizer, template), tokenizer.pad_token_id)
 
 
 class ParameterCensus(TrainerCallback):

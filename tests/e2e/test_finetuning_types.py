@@ -13,6 +13,7 @@ import os
 
 import pyarrow.parquet as pq
 import pytest
+import ray
 import torch
 import yaml
 from safetensors.torch import load_file
@@ -105,14 +106,18 @@ def test_pt_packs_blocks_of_cutoff_len_and_loss_falls(ray_session, sft_config, t
     assert sum(losses[-5:]) / 5 < 0.7 * sum(losses[:5]) / 5, losses
 
 
-def test_unknown_lora_target_is_one_clear_error(ray_session, sft_config, tmp_path, capsys):
+def test_unknown_lora_target_is_one_clear_error_before_ray_starts(sft_config, tmp_path, capsys):
     path = tmp_path / "bad_target.yaml"
     path.write_text(yaml.safe_dump(sft_config(finetuning_type="lora", lora_target="q_proj,query_proj", max_steps=2)))
+    ray_was_up = ray.is_initialized()
 
     code = main(["train", str(path)])
 
     err = capsys.readouterr().err
     assert code == 2, err
+    assert "Traceback" not in err
+    assert ray.is_initialized() == ray_was_up  # judged on a meta-device skeleton in the driver
+    assert not os.path.exists(tmp_path / "out" / "ray")
     message = [line for line in err.splitlines() if line.startswith("rayfactory: error:")]
     assert message == [
         "rayfactory: error: lora_target ['query_proj'] not found in the model; its linear layers are "

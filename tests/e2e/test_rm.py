@@ -12,32 +12,19 @@ import sys
 
 import pytest
 import ray.cloudpickle
-import yaml
 from transformers import TrainerCallback
 
 from cluster.driver import run_exp
-from registries.datasets import DataArguments, load_aligned
-from registries.tokenize import get_preprocess_fn
+from registries.datasets import DataArguments
 from stages.args import ModelArguments
 from stages.callbacks import read_log
 from stages.collators import PairwiseCollator
 from stages.loading import load_tokenizer_and_template
 from stages.value_head import VALUE_HEAD_FILE, load_reward_model, reward_accuracy, score
-from tests.e2e.conftest import REPO_ROOT
+from tests.e2e.conftest import DATA_DIR, example_config, tokenized_pairs
 
 # Ray pickles the callbacks to the workers, which cannot import this test module by name.
 ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
-
-DATA_DIR = os.path.join(REPO_ROOT, "data")
-
-
-def example_config(name: str, tmp_path, **overrides) -> dict:
-    with open(os.path.join(REPO_ROOT, "configs", name), encoding="utf-8") as f:
-        config = yaml.safe_load(f)
-    config.pop("num_train_epochs", None)
-    config.update(dataset_dir=DATA_DIR, output_dir=str(tmp_path / "out"), ray_storage_path=str(tmp_path / "ray"))
-    config.update(overrides)
-    return config
 
 
 def write_far_miss_pairs(folder) -> str:
@@ -73,11 +60,10 @@ def write_far_miss_pairs(folder) -> str:
 
 def held_out_pairs(dataset_dir: str) -> tuple[list[dict], int]:
     """far_eval tokenized as stage rm does, and the pad id."""
-    data_args = DataArguments(dataset="far_eval", dataset_dir=dataset_dir, cutoff_len=64, template="qwen")
-    tokenizer, template = load_tokenizer_and_template(ModelArguments(model_name_or_path="tiny:qwen2"), data_args)
-    rows = load_aligned(data_args, "rm").train
-    columns = get_preprocess_fn("rm", tokenizer, template, data_args)({k: [r[k] for r in rows] for k in rows[0]})
-    return [dict(zip(columns, values)) for values in zip(*columns.values())], tokenizer.pad_token_id
+    tokenizer, template = load_tokenizer_and_template(
+        ModelArguments(model_name_or_path="tiny:qwen2"), DataArguments(template="qwen")
+    )
+    return tokenized_pairs("far_eval", "rm", tokenizer, template, dataset_dir), tokenizer.pad_token_id
 
 
 class ScoreAtTrainEnd(TrainerCallback):

@@ -138,8 +138,18 @@ def test_dpo_on_single_answer_data_fails_before_ray_starts(tmp_path):
             "model_name_or_path '/nonexistent/models/my-model' does not exist "
             "(looked for /nonexistent/models/my-model).",
         ),
+        (
+            {"stage": "dpo", "finetuning_type": "lora", "ref_model": "./models/ref"},
+            "ref_model './models/ref' does not exist (looked for {tmp}/models/ref). Point it at a model folder",
+        ),
+        (
+            {"finetuning_type": "lora", "adapter_name_or_path": "./out/sft-lora"},
+            "adapter_name_or_path './out/sft-lora' does not exist (looked for {tmp}/out/sft-lora). "
+            "Point it at a folder holding adapter_config.json",
+        ),
     ],
-    ids=["unknown-dataset", "unknown-template", "missing-relative-model", "missing-absolute-model"],
+    ids=["unknown-dataset", "unknown-template", "missing-relative-model", "missing-absolute-model",
+         "missing-ref-model", "missing-adapter"],
 )
 def test_config_mistakes_fail_before_ray_starts(tmp_path, overrides, expected):
     write_dataset(tmp_path)
