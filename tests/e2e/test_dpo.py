@@ -41,7 +41,8 @@ def pair_accuracy(model_dir: str) -> float:
         ModelArguments(model_name_or_path=model_dir), DataArguments(template="qwen")
     )
     model = AutoModelForCausalLM.from_pretrained(model_dir)
-    return preference_accuracy(model, tokenized_pairs("arith_pref_eval", "dpo", tokenizer, template), tokenizer.pad_token_id)
+    pairs = tokenized_pairs("arith_pref_eval", "dpo", tokenizer, template)
+    return preference_accuracy(model, pairs, tokenizer.pad_token_id)
 
 
 class ParameterCensus(TrainerCallback):
@@ -52,6 +53,8 @@ class ParameterCensus(TrainerCallback):
         self.path = path
 
     def on_train_begin(self, args, state, control, model=None, **kwargs):
+        if not state.is_world_process_zero:  # every rank holds the same objects
+            return
         alive = {id(o): o for o in gc.get_objects() if isinstance(o, torch.nn.Parameter)}
         policy = {id(p): p for p in model.parameters()}
         record = {
@@ -133,9 +136,11 @@ def test_each_pref_loss_learns_held_out_preferences(ray_session, tmp_path, base_
 def test_lora_dpo_keeps_one_model_and_resumes_from_its_checkpoint(ray_session, tmp_path):
     """The LoRA reference is the policy with its adapter off: no parameter is loaded twice, and at
     step 1 (B = 0, modules_to_save still the originals) policy and reference agree exactly.
-    Rerunning from checkpoint-3 continues the same loss curve."""
+    Rerunning from checkpoint-3 continues the same loss curve. Two workers (DDP over gloo), the
+    config's global batch of 16 pairs split 8 + 8."""
     census_path = str(tmp_path / "census.json")
-    config = example_config("dpo_lora.yaml", tmp_path, max_steps=6, save_steps=3, logging_steps=1)
+    config = example_config("dpo_lora.yaml", tmp_path, max_steps=6, save_steps=3, logging_steps=1,
+                            ray_num_workers=2, per_device_train_batch_size=8)
     config.pop("eval_dataset")
     first = run_exp(config, callbacks=[ParameterCensus(census_path)])
     out = first.output_dir
@@ -152,7 +157,7 @@ def test_lora_dpo_keeps_one_model_and_resumes_from_its_checkpoint(ray_session, t
     assert not os.path.exists(os.path.join(out, "model.safetensors"))
 
     checkpoint = os.path.join(out, "checkpoint-3")
-    for name in ("optimizer.pt", "scheduler.pt", "rng_state.pth", "trainer_state.json"):
+    for name in ("optimizer.pt", "scheduler.pt", "rng_state_0.pth", "rng_state_1.pth", "trainer_state.json"):
         assert os.path.exists(os.path.join(checkpoint, name)), name
     run_exp({**config, "resume_from_checkpoint": checkpoint})
 

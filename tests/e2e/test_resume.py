@@ -88,6 +88,9 @@ def test_rerun_with_resume_from_checkpoint_continues_the_same_run(ray_session, s
     # One run summary (train_runtime, train_loss...) at the end, not a stale one from the stopped run.
     summaries = [r["current_steps"] for r in read_log(out) if "train_runtime" in r]
     assert summaries == [N]
+    # elapsed_time goes on from the stopped run's last line instead of starting again at 0
+    elapsed = [r["elapsed_time"] for r in read_log(out) if "loss" in r]
+    assert all(later > earlier for earlier, later in zip(elapsed, elapsed[1:])), elapsed
 
     weights_a = load_file(os.path.join(a.output_dir, "model.safetensors"))
     weights_b = load_file(os.path.join(resumed.output_dir, "model.safetensors"))

@@ -11,7 +11,9 @@ import random
 import sys
 
 import pytest
+import torch
 import ray.cloudpickle
+from safetensors.torch import load_file
 from transformers import TrainerCallback
 
 from cluster.driver import run_exp
@@ -85,19 +87,21 @@ class ScoreAtTrainEnd(TrainerCallback):
 
 
 STEPS = 600
+RESUME_AT = 580  # a checkpoint 20 steps before the end, resumed from by a second run
 
 
 def test_lora_reward_model_learns_held_out_pairs_and_reloads_identically(ray_session, tmp_path):
     """configs/rm_lora.yaml on far-miss pairs: held-out pair accuracy from chance (the Trainer's
     own evaluation before step 1) to high; the saved adapter + value head reload into a model
-    that scores sequences exactly as the trained one did at the end of training."""
+    that scores sequences exactly as the trained one did at the end of training; a rerun from a
+    checkpoint restores adapter, value head, optimizer and data position and ends the same."""
     dataset_dir = write_far_miss_pairs(tmp_path)
     pairs, pad_id = held_out_pairs(dataset_dir)
     probe = PairwiseCollator(pad_token_id=pad_id)(pairs[:4])  # 4 chosen then 4 rejected, padded
     scores_path = str(tmp_path / "scores.json")
     config = example_config(
         "rm_lora.yaml", tmp_path, dataset="far_train", eval_dataset="far_eval", dataset_dir=dataset_dir,
-        max_steps=STEPS, save_steps=STEPS, eval_strategy="steps", eval_steps=STEPS, eval_on_start=True,
+        max_steps=STEPS, save_steps=RESUME_AT, eval_strategy="steps", eval_steps=STEPS, eval_on_start=True,
     )
 
     result = run_exp(config, callbacks=[ScoreAtTrainEnd(probe, scores_path)])
@@ -129,3 +133,17 @@ def test_lora_reward_model_learns_held_out_pairs_and_reloads_identically(ray_ses
     assert [r["current_steps"] for r in train] == list(range(10, STEPS + 1, 10))
     assert all({"rewards/accuracies", "rewards/margins"} <= set(r) for r in train)
     assert sum(r["loss"] for r in train[-5:]) < 0.8 * sum(r["loss"] for r in train[:5])
+
+    # Resume by rerun (no evaluation this time): the last 20 steps again, from checkpoint-580.
+    rerun = {k: v for k, v in config.items() if k not in ("eval_dataset", "eval_steps", "eval_on_start")}
+    rerun.update(output_dir=str(tmp_path / "resumed"), ray_storage_path=str(tmp_path / "ray-resumed"),
+                 eval_strategy="no", resume_from_checkpoint=os.path.join(out, f"checkpoint-{RESUME_AT}"))
+    resumed = run_exp(rerun).output_dir
+    original = {r["current_steps"]: r["loss"] for r in train}
+    again = {r["current_steps"]: r["loss"] for r in read_log(resumed) if "loss" in r}
+    assert sorted(again) == [RESUME_AT + 10, STEPS]
+    for step, loss in again.items():
+        assert loss == pytest.approx(original[step], abs=1e-5), (step, loss, original[step])
+    head_a = load_file(os.path.join(out, VALUE_HEAD_FILE))
+    head_b = load_file(os.path.join(resumed, VALUE_HEAD_FILE))
+    assert all(torch.allclose(head_a[k], head_b[k], atol=1e-5) for k in head_a)
