@@ -3,12 +3,21 @@
 from __future__ import annotations
 
 import os
+import re
 
 import pytest
 import yaml
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 DATA_DIR = os.path.join(REPO_ROOT, "data")
+# A line Ray forwards from a worker or actor of this or an earlier run: "(RayTrainWorker pid=12) ...",
+# colour-coded on a terminal. It may arrive at any time, also while another test captures stderr.
+RAY_FORWARDED = re.compile(r"(\x1b\[\d+m)?\(\w+ pid=\d+")
+
+
+def own_lines(stderr: str) -> list[str]:
+    """The lines the CLI itself printed, without Ray's forwarded worker output."""
+    return [line for line in stderr.splitlines() if not RAY_FORWARDED.match(line)]
 
 
 def tiny_sft_config(output_dir, **overrides) -> dict:

@@ -18,6 +18,7 @@ import sys
 import pytest
 
 from stages.callbacks import read_log
+from tests.e2e.conftest import own_lines
 
 RAYFACTORY = os.path.join(os.path.dirname(sys.executable), "rayfactory")
 LOCAL_RAY_STARTED = "Started a local Ray instance"
@@ -72,7 +73,8 @@ def error_paragraph(done: subprocess.CompletedProcess) -> str:
     assert "Traceback" not in done.stderr, done.stderr[-3000:]
     errors = [line for line in done.stderr.splitlines() if line.startswith("rayfactory: error: ")]
     assert len(errors) == 1, done.stderr[-3000:]
-    assert done.stderr.rstrip("\n").endswith(errors[0])  # the last thing the user reads
+    # The last thing rayfactory prints (Ray may still forward a worker's log line after it).
+    assert own_lines(done.stderr.rstrip("\n"))[-1] == errors[0], done.stderr[-3000:]
     return errors[0][len("rayfactory: error: "):]
 
 
