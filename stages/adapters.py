@@ -16,14 +16,10 @@ class AdapterError(ValueError):
 
 def apply_finetuning(model, finetuning_args, model_args, is_trainable: bool = True):
     """Return the model with the right parameters trainable (a PeftModel for LoRA)."""
+    _check_adapters(finetuning_args, model_args)
     kind = finetuning_args.finetuning_type
     if kind == "lora":
         return _apply_lora(model, finetuning_args, model_args, is_trainable)
-    if model_args.adapter_name_or_path:
-        raise AdapterError(
-            f"adapter_name_or_path is set but finetuning_type is {kind!r}; adapters only load with "
-            "finetuning_type: lora. Merge the adapter first (export) or switch to lora."
-        )
     if not is_trainable:
         model.requires_grad_(False)
     elif kind == "freeze":
@@ -74,12 +70,30 @@ def _freeze_patterns(model, finetuning_args) -> tuple[list[str], range]:
     return patterns, layer_ids
 
 
+def _check_adapters(finetuning_args, model_args) -> None:
+    """adapter_name_or_path: one adapter, continued with finetuning_type lora."""
+    adapters = _as_list(model_args.adapter_name_or_path)
+    kind = finetuning_args.finetuning_type
+    if adapters and kind != "lora":
+        raise AdapterError(
+            f"adapter_name_or_path is set but finetuning_type is {kind!r}; adapters only load with "
+            "finetuning_type: lora. Merge the adapter first (export) or switch to lora."
+        )
+    if len(adapters) > 1:
+        raise AdapterError(
+            f"adapter_name_or_path names {len(adapters)} adapters; training continues one adapter. "
+            "Merge the others into the base first (export), or name only the one to continue."
+        )
+
+
 def check_finetuning_fits(model, finetuning_args, model_args) -> None:
-    """Raise AdapterError where lora_target or freeze_* name modules the model lacks.
+    """Raise AdapterError where the adapter settings do not fit, or lora_target / freeze_* name
+    modules the model lacks.
 
     Needs only the module tree, so the driver runs it on a meta-device skeleton of the model
     and the mistake is reported before any worker starts.
     """
+    _check_adapters(finetuning_args, model_args)
     if finetuning_args.finetuning_type == "freeze":
         _freeze_patterns(model, finetuning_args)
     elif finetuning_args.finetuning_type == "lora" and not model_args.adapter_name_or_path:
@@ -113,9 +127,7 @@ def _apply_lora(model, finetuning_args, model_args, is_trainable: bool):
         model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=False)
 
     adapters = _as_list(model_args.adapter_name_or_path)
-    if adapters:  # continue training the last adapter (earlier ones are merged in by export, not here)
-        if len(adapters) > 1:
-            raise AdapterError("Training on top of several adapters is not supported; merge them first with export.")
+    if adapters:  # continue training this adapter (_check_adapters allows one)
         return PeftModel.from_pretrained(model, adapters[0], is_trainable=is_trainable)
     if not is_trainable:
         return model

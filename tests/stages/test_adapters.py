@@ -69,3 +69,18 @@ def test_freeze_trains_the_last_layers_modules(real_model):
     patterns, layer_ids = _freeze_patterns(real_model, tuning)
     assert list(layer_ids) == [n_layers - 1]
     assert patterns == [f".{n_layers - 1}.mlp", "norm"]
+
+
+@pytest.mark.parametrize(
+    "finetuning_type, adapters, message",
+    [
+        ("full", ["a"], "adapter_name_or_path is set but finetuning_type is 'full'; adapters only load with "
+         "finetuning_type: lora."),
+        ("lora", ["a", "b"], "adapter_name_or_path names 2 adapters; training continues one adapter."),
+    ],
+)
+def test_adapter_settings_that_cannot_work_are_refused_before_loading(finetuning_type, adapters, message):
+    model_args = ModelArguments(model_name_or_path="tiny:qwen2", adapter_name_or_path=adapters)
+    with pytest.raises(AdapterError) as raised:
+        check_model_fits(model_args, FinetuningArguments(finetuning_type=finetuning_type))
+    assert str(raised.value).startswith(message)
