@@ -23,7 +23,7 @@ from stages.callbacks import read_log
 from stages.collators import PairwiseCollator
 from stages.loading import load_tokenizer_and_template
 from stages.value_head import VALUE_HEAD_FILE, load_reward_model, reward_accuracy, score
-from tests.e2e.conftest import DATA_DIR, example_config, tokenized_pairs
+from tests.e2e.conftest import DATA_DIR, REPO_ROOT, example_config, tokenized_pairs
 
 # Ray pickles the callbacks to the workers, which cannot import this test module by name.
 ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
@@ -147,3 +147,27 @@ def test_lora_reward_model_learns_held_out_pairs_and_reloads_identically(ray_ses
     head_a = load_file(os.path.join(out, VALUE_HEAD_FILE))
     head_b = load_file(os.path.join(resumed, VALUE_HEAD_FILE))
     assert all(torch.allclose(head_a[k], head_b[k], atol=1e-5) for k in head_a)
+
+
+def test_full_reward_model_under_deepspeed_zero3_on_two_workers_saves_whole_weights(ray_session, tmp_path):
+    """ZeRO-3 partitions every weight across the workers; the saved LM and value head must be whole."""
+    config = example_config(
+        "rm_lora.yaml", tmp_path, max_steps=2, save_steps=100, logging_steps=1, ray_num_workers=2,
+        finetuning_type="full", deepspeed=os.path.join(REPO_ROOT, "configs", "deepspeed", "ds_z3_config.json"),
+    )
+    for key in ("lora_target", "lora_rank", "additional_target", "eval_dataset"):
+        config.pop(key)
+
+    out = run_exp(config).output_dir
+
+    assert [r["current_steps"] for r in read_log(out) if "loss" in r] == [1, 2]
+    head = load_file(os.path.join(out, VALUE_HEAD_FILE))
+    lm = load_file(os.path.join(out, "model.safetensors"))
+    hidden = lm["model.embed_tokens.weight"].shape[1]
+    assert head["weight"].shape == (1, hidden) and head["bias"].shape == (1,)
+    assert all(t.numel() > 0 for t in lm.values())  # no empty ZeRO-3 placeholders
+    model, tokenizer = load_reward_model(out)
+    pairs, pad_id = held_out_pairs(write_far_miss_pairs(tmp_path))
+    probe = PairwiseCollator(pad_token_id=pad_id)(pairs[:4])
+    scores = score(model, probe["input_ids"], probe["attention_mask"])
+    assert torch.isfinite(scores).all() and len({round(float(s), 4) for s in scores}) > 1
