@@ -75,6 +75,7 @@ def _user_error_message(exc: BaseException) -> str | None:
     """
     from registries.datasets.errors import DataConfigError, DatasetRowError
     from stages.adapters import AdapterError
+    from stages.args import TrainingOptionsError
 
     from .config import ConfigError
 
@@ -89,7 +90,7 @@ def _user_error_message(exc: BaseException) -> str | None:
             found = _user_error_message(failures[rank])
             if found is not None:
                 return found
-    if isinstance(exc, (ConfigError, DataConfigError, DatasetRowError, AdapterError)):
+    if isinstance(exc, (ConfigError, DataConfigError, DatasetRowError, AdapterError, TrainingOptionsError)):
         return str(exc)
     return None
 

@@ -22,8 +22,6 @@ import yaml
 from fabric.args import RayArguments
 from registries.datasets.args import DataArguments
 from registries.datasets.errors import describe_type
-from .config_types import ConfigError, coerce_key
-from .lf_compat import apply_lf_compat
 from stages.args import (
     ArgumentError,
     FinetuningArguments,
@@ -32,6 +30,11 @@ from stages.args import (
     TrainingOptions,
     trainer_fields,
 )
+from stages.registry import check_stage
+
+from .config_types import ConfigError, coerce_key
+from .lf_compat import apply_lf_compat
+from .training_checks import check_training_options
 
 RESOLVED_CONFIG_NAME = "rayfactory_config.yaml"
 GROUPS: dict[str, type] = {
@@ -257,6 +260,10 @@ def _build(group: str, kwargs: dict[str, Any], origin: dict[str, str], source: s
 
 def _check_and_resolve(run: RunConfig, where: typing.Callable[[str], str]) -> None:
     model, tuning, data, training = run.model, run.finetuning, run.data, run.training.values
+    try:
+        check_stage(tuning.stage)
+    except ValueError as exc:
+        raise ConfigError(f"{exc} Change stage in {where('stage')}.") from None
     if not model.model_name_or_path:
         raise ConfigError(
             f"model_name_or_path is missing in {where('model_name_or_path')}. Set it to a model folder "
@@ -310,6 +317,7 @@ def _check_and_resolve(run: RunConfig, where: typing.Callable[[str], str]) -> No
             )
         training["resume_from_checkpoint"] = os.path.abspath(resume)
     training.setdefault("report_to", "none")
+    check_training_options(run.training, where)
     # Ray Train workers do not run in the driver's directory: hand them absolute paths.
     training["output_dir"] = _absolute(training["output_dir"])
     if model.cache_dir:

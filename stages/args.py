@@ -20,6 +20,10 @@ from typing import Any, Literal
 AttentionImpl = Literal["eager", "sdpa", "flash_attention_2", "flash_attention_3", "flex_attention"]
 
 
+class TrainingOptionsError(ValueError):
+    """Trainer options that transformers refuses (e.g. save and eval strategies that must match)."""
+
+
 class ArgumentError(ValueError):
     """A value that breaks one argument group's rules; ``key`` lets the config name its source."""
 
@@ -223,4 +227,7 @@ class TrainingOptions:
         """The real ``transformers.Seq2SeqTrainingArguments`` (call this on the worker)."""
         from transformers import Seq2SeqTrainingArguments
 
-        return Seq2SeqTrainingArguments(**{**self.values, **overrides})
+        try:
+            return Seq2SeqTrainingArguments(**{**self.values, **overrides})
+        except ValueError as exc:  # transformers' checks across options; one paragraph for the CLI
+            raise TrainingOptionsError("training options: " + " ".join(str(exc).split())) from None

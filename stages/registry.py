@@ -15,10 +15,15 @@ _RUNNERS = {
 }
 
 
-def get_stage_runner(stage: str) -> Callable:
+def check_stage(stage: str) -> None:
+    """ValueError for a stage the config knows but no worker can run yet."""
     if stage not in _RUNNERS:
         raise ValueError(
             f"stage {stage!r} cannot be trained yet; available: {', '.join(_RUNNERS)} (ppo is on the roadmap)."
         )
+
+
+def get_stage_runner(stage: str) -> Callable:
+    check_stage(stage)
     module, function = _RUNNERS[stage].split(":")
     return getattr(importlib.import_module(f"stages.{module}"), function)

@@ -467,3 +467,38 @@ def test_qlora_with_zero3_is_refused(tmp_path):
     with pytest.raises(ConfigError, match=r"quantization_bit 4 \(QLoRA\) cannot be combined with the DeepSpeed ZeRO-3"):
         load_config({"model_name_or_path": "tiny:qwen2", "output_dir": str(tmp_path / "o"), "dataset": "arith_train",
                      "finetuning_type": "qlora", "deepspeed": str(ds)})
+
+
+def test_stage_without_a_runner_is_refused_at_config_time():
+    message = error_of(write("model_name_or_path: m\noutput_dir: o\nstage: ppo\nreward_model: rm\n"))
+    assert message == (
+        "stage 'ppo' cannot be trained yet; available: pt, sft, rm, dpo, kto (ppo is on the roadmap). "
+        "Change stage in cfg.yaml."
+    )
+
+
+@pytest.mark.parametrize("key, value, rule", [
+    ("per_device_train_batch_size", 0, "a whole number of at least 1"),
+    ("gradient_accumulation_steps", -2, "a whole number of at least 1"),
+    ("num_train_epochs", 0, "greater than 0"),
+    ("save_steps", 0, "greater than 0 (a step count, or a fraction of the run below 1)"),
+    ("learning_rate", -1.0e-4, "0 or more"),
+])
+def test_trainer_numbers_out_of_range_name_the_key_and_the_file(key, value, rule):
+    assert error_of(write(f"model_name_or_path: m\noutput_dir: o\n{key}: {value}\n")) == (
+        f"{key} is {value!r} in cfg.yaml; it must be {rule}. Fix the value."
+    )
+
+
+def test_transformers_cross_option_checks_run_on_the_driver():
+    text = ("model_name_or_path: m\noutput_dir: o\ndataset: d\nval_size: 0.1\neval_strategy: steps\n"
+            "save_strategy: epoch\nload_best_model_at_end: true\n")
+    message = error_of(write(text))
+    assert message.startswith("training options: --load_best_model_at_end requires the save and eval strategy "
+                              "to match"), message
+    assert message.endswith("(set in cfg.yaml)") and "\n" not in message
+
+
+def test_precision_is_left_to_the_workers_hardware():
+    # tf32 and bf16 need a GPU that this driver may not have; the workers judge them.
+    assert load_config({**BASE, "bf16": True, "tf32": True}).training.tf32 is True
