@@ -7,15 +7,22 @@ and turns mistakes into errors that name the file and key.
 Trainer options use the names of ``transformers.Seq2SeqTrainingArguments``. They are kept as a
 plain mapping (``TrainingOptions``) and become the real object only on the worker, through
 ``TrainingOptions.build()``: constructing it sets up devices and loads DeepSpeed configs, which
-belongs on the machine that trains, not on the driver that parses.
+belongs on the machine that trains. The driver builds one only as a check, with the options that
+depend on the hardware left out (cluster/training_checks.py).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import logging
 from dataclasses import dataclass, field
 from functools import lru_cache
 from typing import Any, Literal
+
+# bitsandbytes (imported by peft, which transformers' training_args imports) warns at import time that
+# it cannot fetch an optional CPU kernel from the hub; its built-in fallback runs instead. That line
+# would open every run's output, on the driver and on each worker, so keep that logger to errors.
+logging.getLogger("bitsandbytes.backends.cpu.ops").setLevel(logging.ERROR)
 
 AttentionImpl = Literal["eager", "sdpa", "flash_attention_2", "flash_attention_3", "flex_attention"]
 
