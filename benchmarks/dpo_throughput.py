@@ -18,11 +18,10 @@ tree's peak (see harness.py). Figures, not asserts: on a shared machine they var
 
 from __future__ import annotations
 
-import os
 import sys
 import tempfile
 
-from harness import REPO_ROOT, bench_main, measure_run
+from harness import bench_main, make_full_finetuning, measure_run, timed_config
 
 # name -> (model, finetuning_type, pref_loss)
 CASES = {
@@ -44,32 +43,13 @@ COLUMNS = [
 
 
 def case_config(name: str, steps: int, model_path: str | None, out_dir: str) -> dict:
-    import yaml
-
     model, finetuning_type, pref_loss = CASES[name]
-    with open(os.path.join(REPO_ROOT, "configs", "dpo_lora.yaml"), encoding="utf-8") as f:
-        config = yaml.safe_load(f)
-    config.pop("eval_dataset", None)  # timing the training loop, not the final evaluation
-    config.pop("num_train_epochs", None)
-    config.update(
-        dataset_dir=os.path.join(REPO_ROOT, "data"),
-        output_dir=out_dir,
-        ray_storage_path=os.path.join(out_dir, "ray"),
-        max_steps=steps,
-        logging_steps=10,
-        save_steps=100000,  # no mid-run checkpoints: they would be timed as training
-        plot_loss=False,
-        report_to="none",
-        include_num_input_tokens_seen="non_padding",
-        pref_loss=pref_loss,
-        per_device_train_batch_size=PAIRS_PER_STEP,
-    )
+    config = timed_config("dpo_lora.yaml", out_dir, steps, pref_loss=pref_loss,
+                          per_device_train_batch_size=PAIRS_PER_STEP)
     if pref_loss == "simpo":
         config.update(pref_beta=2.0, simpo_gamma=0.5)
     if finetuning_type == "full":
-        for key in ("lora_target", "lora_rank", "additional_target"):
-            config.pop(key, None)
-        config["finetuning_type"] = "full"
+        make_full_finetuning(config)
     if model == "20m":
         config.update(model_name_or_path=model_path, learning_rate=1.0e-3)
         if finetuning_type == "lora":

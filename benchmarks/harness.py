@@ -95,6 +95,37 @@ class TreeMemorySampler(threading.Thread):
         self.join()
 
 
+def timed_config(example: str, out_dir: str, steps: int, **overrides) -> dict:
+    """configs/<example> set up for timing: the training loop only (no evaluation, no mid-run
+    checkpoints, no plot), non-padding tokens counted, outputs under ``out_dir``."""
+    import yaml
+
+    with open(os.path.join(REPO_ROOT, "configs", example), encoding="utf-8") as f:
+        config = yaml.safe_load(f)
+    config.pop("eval_dataset", None)
+    config.pop("num_train_epochs", None)  # max_steps decides
+    config.update(
+        dataset_dir=os.path.join(REPO_ROOT, "data"),
+        output_dir=out_dir,
+        ray_storage_path=os.path.join(out_dir, "ray"),
+        max_steps=steps,
+        logging_steps=10,
+        save_steps=100000,  # no mid-run checkpoints: they would be timed as training
+        plot_loss=False,
+        report_to="none",
+        include_num_input_tokens_seen="non_padding",
+        **overrides,
+    )
+    return config
+
+
+def make_full_finetuning(config: dict) -> None:
+    """Turn an example's LoRA settings into full fine-tuning, in place."""
+    for key in ("lora_target", "lora_rank", "additional_target"):
+        config.pop(key, None)
+    config["finetuning_type"] = "full"
+
+
 def measure_run(config: dict) -> dict:
     """Run one config through the driver, as a user would; return the marks and memory figures."""
     import ray.cloudpickle

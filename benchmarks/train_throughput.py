@@ -14,11 +14,10 @@ Train workers), sampled with psutil. Figures, not asserts: on a shared machine t
 
 from __future__ import annotations
 
-import os
 import sys
 import tempfile
 
-from harness import REPO_ROOT, bench_main, measure_run
+from harness import bench_main, make_full_finetuning, measure_run, timed_config
 
 # name -> (model, Ray Train workers)
 CASES = {
@@ -39,27 +38,10 @@ COLUMNS = [
 
 
 def case_config(model: str, workers: int, steps: int, model_path: str | None, out_dir: str) -> dict:
-    import yaml
-
-    with open(os.path.join(REPO_ROOT, "configs", "quickstart.yaml"), encoding="utf-8") as f:
-        config = yaml.safe_load(f)
-    config.pop("eval_dataset", None)  # timing the training loop, not the final evaluation
-    config.update(
-        dataset_dir=os.path.join(REPO_ROOT, "data"),
-        output_dir=out_dir,
-        ray_storage_path=os.path.join(out_dir, "ray"),
-        ray_num_workers=workers,
-        max_steps=steps,
-        logging_steps=10,
-        save_steps=100000,  # no mid-run checkpoints: they would be timed as training
-        plot_loss=False,
-        report_to="none",
-        include_num_input_tokens_seen="non_padding",
-    )
+    config = timed_config("quickstart.yaml", out_dir, steps, ray_num_workers=workers)
     if model == "20m":
-        for key in ("lora_target", "lora_rank", "additional_target"):
-            config.pop(key, None)
-        config.update(model_name_or_path=model_path, finetuning_type="full", learning_rate=1.0e-3)
+        make_full_finetuning(config)
+        config.update(model_name_or_path=model_path, learning_rate=1.0e-3)
     return config
 
 
