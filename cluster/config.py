@@ -12,6 +12,7 @@ import dataclasses
 import difflib
 import json
 import os
+import re
 import typing
 from dataclasses import dataclass, field
 from functools import lru_cache
@@ -22,17 +23,19 @@ import yaml
 from fabric.args import RayArguments
 from registries.datasets.args import DataArguments
 from registries.datasets.errors import describe_type
+from registries.errors import ArgumentError
 from stages.args import (
-    ArgumentError,
     FinetuningArguments,
     GeneratingArguments,
     ModelArguments,
     TrainingOptions,
     trainer_fields,
 )
-from stages.registry import check_stage
+from stages.job import JobSpec
+from stages.table import UnknownStageError, get_stage
 
-from .config_types import ConfigError, coerce_key
+from .config_types import ConfigError, bool_word, coerce_key
+from .extras import check_extras
 from .lf_compat import apply_lf_compat
 from .training_checks import check_training_options
 
@@ -59,6 +62,10 @@ class RunConfig:
     raw: dict[str, Any] = field(default_factory=dict)  # the keys as the user wrote them, overrides applied
     source: str = "the config dict"
     notes: list[str] = field(default_factory=list)  # LLaMA-Factory keys that were ignored or translated
+
+    def job_spec(self) -> JobSpec:
+        """The typed slices every process of the run receives (the same objects, not copies)."""
+        return JobSpec(model=self.model, data=self.data, finetuning=self.finetuning, training=self.training)
 
     def resolved(self) -> dict[str, Any]:
         """Every effective value, flat; ``load_config`` of this dict gives the same run."""
@@ -116,7 +123,7 @@ def parse_override(text: str) -> tuple[str, Any]:
             "lora_rank=16 or dataset=alpaca_en_demo,identity (no spaces around '=', no leading dashes)."
         )
     try:
-        return key, yaml.safe_load(value_text) if value_text.strip() else None
+        return key, _load_yaml(value_text) if value_text.strip() else None
     except yaml.YAMLError as exc:
         raise ConfigError(
             f"command-line override {text!r}: the value is not valid YAML ({_yaml_problem(exc)}). "
@@ -148,6 +155,19 @@ def _construct_mapping(loader: _StrictLoader, node: yaml.MappingNode, deep: bool
 
 
 _StrictLoader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, _construct_mapping)
+# YAML 1.2 booleans: only true/false. PyYAML follows YAML 1.1, where yes/no/on/off are booleans
+# too, so `save_strategy: no` would arrive as False and be refused. Words stay words; a boolean
+# option still takes yes/no/on/off (config_types.coerce reads them).
+_BOOL_TAG = "tag:yaml.org,2002:bool"
+_StrictLoader.yaml_implicit_resolvers = {
+    first: [(tag, regexp) for tag, regexp in resolvers if tag != _BOOL_TAG]
+    for first, resolvers in yaml.SafeLoader.yaml_implicit_resolvers.items()
+}
+_StrictLoader.add_implicit_resolver(_BOOL_TAG, re.compile(r"^(?:true|True|TRUE|false|False|FALSE)$"), list("tTfF"))
+
+
+def _load_yaml(text: str) -> Any:
+    return yaml.load(text, Loader=_StrictLoader)  # noqa: S506 (a SafeLoader subclass)
 
 
 def _read_source(path_or_dict: Any) -> tuple[dict[str, Any], dict[str, str], str]:
@@ -176,7 +196,7 @@ def _read_file(path: str) -> dict[str, Any]:
     with open(path, encoding="utf-8") as f:
         text = f.read()
     try:
-        data = yaml.load(text, Loader=_StrictLoader)  # noqa: S506 (a SafeLoader subclass)
+        data = _load_yaml(text)
     except _DuplicateKey as dup:
         raise ConfigError(
             f"key {dup.key!r} appears twice in {path} (lines {dup.first} and {dup.second}); "
@@ -230,6 +250,8 @@ def _route(values: dict[str, Any], origin: dict[str, str]) -> dict[str, dict[str
             )
         if group != "data":  # DataArguments checks its own values, with messages of its own
             value = coerce_key(key, value, _annotation(group, key), origin[key])
+        elif bool in typing.get_args(_annotation(group, key)) + (_annotation(group, key),):
+            value = bool_word(value)  # packing: no
         grouped[group][key] = value
     return grouped
 
@@ -261,8 +283,8 @@ def _build(group: str, kwargs: dict[str, Any], origin: dict[str, str], source: s
 def _check_and_resolve(run: RunConfig, where: typing.Callable[[str], str]) -> None:
     model, tuning, data, training = run.model, run.finetuning, run.data, run.training.values
     try:
-        check_stage(tuning.stage)
-    except ValueError as exc:
+        get_stage(tuning.stage)  # a stage whose recipe is not built yet is refused before any work
+    except UnknownStageError as exc:
         raise ConfigError(f"{exc} Change stage in {where('stage')}.") from None
     if not model.model_name_or_path:
         raise ConfigError(
@@ -317,6 +339,7 @@ def _check_and_resolve(run: RunConfig, where: typing.Callable[[str], str]) -> No
             )
         training["resume_from_checkpoint"] = os.path.abspath(resume)
     training.setdefault("report_to", "none")
+    check_extras({"deepspeed": training.get("deepspeed"), "quantization_bit": model.quantization_bit}, where)
     check_training_options(run.training, where)
     # Ray Train workers do not run in the driver's directory: hand them absolute paths.
     training["output_dir"] = _absolute(training["output_dir"])

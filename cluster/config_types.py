@@ -14,10 +14,20 @@ from typing import Any, Literal, Union
 import yaml
 
 from registries.datasets.errors import describe_type
+from registries.errors import UserError
 
 
-class ConfigError(ValueError):
+class ConfigError(UserError):
     """A mistake in the user's config. The message is meant to be shown as is, without a traceback."""
+
+
+_BOOL_WORDS = {"yes": True, "on": True, "y": True, "no": False, "off": False, "n": False}
+
+
+def bool_word(value: Any) -> Any:
+    """yes/no/on/off (YAML 1.1's words for booleans; the config reader keeps them as words) as a
+    bool; anything else as it is."""
+    return _BOOL_WORDS.get(value.lower(), value) if isinstance(value, str) else value
 
 
 class _Mismatch(Exception):
@@ -79,6 +89,8 @@ def coerce(value: Any, ann: Any) -> Any:
     if ann is bool:
         if isinstance(value, bool):
             return value
+        if bool_word(value) is not value:
+            return bool_word(value)
     elif ann is int:
         return _as_number(value, integer=True)
     elif ann is float:

@@ -36,20 +36,23 @@ def run_exp(
     from stages.loading import check_model_fits
 
     output_dir = cfg.training.output_dir
-    os.makedirs(output_dir, exist_ok=True)
-    cfg.write_yaml()  # the resolved config, so the run can be repeated exactly
     for note in cfg.notes:
         print(f"[rayfactory] note: {note}", flush=True)
 
     # Mistakes that need no cluster fail before Ray starts: model path, template, datasets.
-    # The driver tokenizes (through Ray Data) with the very tokenizer and template the workers load.
+    # Model facts are resolved once, here: the driver tokenizes (through Ray Data) with this
+    # tokenizer and template, and the workers load the template by its resolved name.
     tokenizer, template = _load_tokenizer_and_template(cfg)
+    cfg.data.template = template.name  # `template: auto` pinned for the workers and the saved config
+    spec = cfg.job_spec()
     check_model_fits(cfg.model, cfg.finetuning)
-    check_data(cfg)
+    check_data(cfg.data, spec.stage)
+    os.makedirs(output_dir, exist_ok=True)
+    cfg.write_yaml()  # the resolved config, so the run can be repeated exactly
     resources = connect(cfg.ray)
     _check_resources(cfg, resources)
-    data = prepare_datasets(cfg, tokenizer, template)
-    result = launch_training(cfg, data.train, data.eval, callbacks)
+    data = prepare_datasets(cfg.data, spec.stage, cfg.training.seed, tokenizer, template)
+    result = launch_training(spec, cfg.ray, data.train, data.eval, callbacks)
     if result.error is not None:
         raise result.error
     checkpoint = result.checkpoint.path if result.checkpoint is not None else None

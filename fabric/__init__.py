@@ -1,1 +1,1 @@
-"""Ray wiring: Ray Data pipelines, Ray Train workers, actor groups and placement."""
+"""The Ray layer: Ray session, the Ray Data pipeline, and the Ray Train launcher and worker loop."""

@@ -10,7 +10,7 @@ import os
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from stages.args import ArgumentError
+from registries.errors import ArgumentError
 
 PLACEMENT_STRATEGIES = ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD")
 DEFAULT_STORAGE = os.path.join("saves", "ray_results")

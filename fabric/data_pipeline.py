@@ -8,6 +8,7 @@ so the result equals running the same functions in one process (tests/e2e/test_d
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import itertools
 import json
@@ -15,6 +16,7 @@ import logging
 import os
 import shutil
 import time
+from collections import Counter
 from dataclasses import dataclass
 from typing import Optional
 
@@ -22,12 +24,13 @@ import ray
 from ray.exceptions import UserCodeException
 
 from registries.datasets.aligner import ALIGNED_COLUMNS, align_batch, aligned_table, bad_rows_batch
+from registries.datasets.args import DataArguments
 from registries.datasets.errors import DataConfigError, DatasetRowError
 from registries.datasets.info import get_dataset_attrs
 from registries.datasets.mixing import mix_plan, split_plan
 from registries.datasets.readers import data_files, read_table
-from registries.datasets.stage_fields import check_stage_fields
-from registries.tokenize import get_preprocess_fn
+from registries.datasets.stage_fields import DATASET_NEEDS, check_stage_fields
+from stages.table import StageSpec
 
 logger = logging.getLogger(__name__)
 
@@ -41,11 +44,10 @@ class PreparedData:
     stats: dict
 
 
-def check_data(cfg) -> None:
+def check_data(data_args: DataArguments, stage: StageSpec) -> None:
     """The data mistakes that need no row read, raised before Ray starts any work: a dataset name
     dataset_info.json lacks, a missing file, a dataset that does not fit the stage (dpo on
     single answers). A reusable tokenized_path needs none of it."""
-    data_args = cfg.data
     if _reuses_cache(data_args):
         return
     if not data_args.dataset:
@@ -55,26 +57,24 @@ def check_data(cfg) -> None:
         )
     attrs = get_dataset_attrs(data_args.dataset, data_args.dataset_dir)
     attrs += get_dataset_attrs(data_args.eval_dataset, data_args.dataset_dir)
-    check_stage_fields(attrs, cfg.finetuning.stage)
+    check_stage_fields(attrs, stage.name, stage.dataset_need)
     for attr in attrs:
         if attr.load_from == "file":
             data_files(attr)  # names the missing file or folder
 
 
-def prepare_datasets(cfg, tokenizer, template) -> PreparedData:
+def prepare_datasets(data_args: DataArguments, stage: StageSpec, seed: int, tokenizer, template) -> PreparedData:
     """Tokenized train (and eval) datasets, from ``tokenized_path`` when it already holds them.
 
     Equal, row for row, to the in-process path: ``load_aligned`` (read, align, mix, split) and
     then the stage's preprocess function over consecutive windows of BATCH_SIZE aligned rows.
     """
-    data_args = cfg.data
-    fingerprint = _fingerprint(cfg, tokenizer, template)
-    if _reuses_cache(data_args):
-        return _load_cache(data_args.tokenized_path, fingerprint)
-
-    started = time.time()
-    with _data_errors_whole():
-        train, evaluation = _tokenized_splits(cfg, tokenizer, template)
+    fingerprint = _fingerprint(data_args, stage, seed, tokenizer, template)
+    with _pipeline_context():
+        if _reuses_cache(data_args):
+            return _load_cache(data_args.tokenized_path, fingerprint)
+        started = time.time()
+        train, evaluation = _tokenized_splits(data_args, stage, seed, tokenizer, template)
     stats = {"train_examples": train.count(), "eval_examples": evaluation.count() if evaluation else 0}
     logger.info("preprocessing done in %.1fs: %s", time.time() - started, stats)
     print(f"[rayfactory] data ready in {time.time() - started:.1f}s: {stats}", flush=True)
@@ -83,22 +83,46 @@ def prepare_datasets(cfg, tokenizer, template) -> PreparedData:
     return PreparedData(train, evaluation, stats)
 
 
-def _tokenized_splits(cfg, tokenizer, template) -> tuple:
-    data_args, stage, seed = cfg.data, cfg.finetuning.stage, cfg.training.seed
-    preprocess = get_preprocess_fn(stage, tokenizer, template, data_args)
+def _tokenized_splits(data_args: DataArguments, stage: StageSpec, seed: int, tokenizer, template) -> tuple:
+    preprocess = stage.preprocess_fn(tokenizer, template, data_args)
     train = _aligned_mixed(data_args.dataset, data_args, stage, seed)
     evaluation = _aligned_mixed(data_args.eval_dataset, data_args, stage, seed) if data_args.eval_dataset else None
     if data_args.val_size:
         # Split aligned rows by the registries' seeded plan, as load_aligned does: the same seed
         # picks the same rows, and packing never puts a train and an eval example in one sequence.
         train, evaluation = _split(train, data_args.val_size, seed)
-    return _tokenized(train, preprocess), _tokenized(evaluation, preprocess) if evaluation is not None else None
+    splits = [("training", data_args.dataset, train), ("evaluation", data_args.eval_dataset, evaluation)]
+    tokenized = []
+    for split, names, rows in splits:
+        if rows is None:
+            tokenized.append(None)
+            continue
+        result = _tokenized(rows, preprocess)
+        if result.count() == 0:  # would reach Ray Train and fail there, four tracebacks deep
+            raise DataConfigError(_nothing_left(split, names, rows, preprocess, stage))
+        tokenized.append(result)
+    return tuple(tokenized)
 
 
-def _aligned_mixed(names, data_args, stage, seed) -> "ray.data.Dataset":
+def _nothing_left(split: str, names, rows, preprocess, stage: StageSpec) -> str:
+    """Why no tokenized example is left: the stage's tokenizer counts what it skipped and why."""
+    where = f"dataset {', '.join(names or [])}" if split == "training" else f"eval_dataset {', '.join(names or [])}"
+    sample = rows.take(BATCH_SIZE)
+    stats: Counter = Counter()
+    if sample:
+        preprocess.func({k: [r[k] for r in sample] for k in sample[0]}, stats=stats, **preprocess.keywords)
+    reasons = ", ".join(f"{k.removeprefix('skipped_').replace('_', ' ')}: {n}" for k, n in stats.items()) or "none"
+    return (
+        f"No {split} examples are left for stage {stage.name!r} from {where}: all {rows.count()} aligned rows were "
+        f"dropped when tokenizing (rows skipped, by reason, in the first {len(sample)}: {reasons}). Stage "
+        f"{stage.name!r} trains on {DATASET_NEEDS[stage.dataset_need]}: use a dataset of such rows."
+    )
+
+
+def _aligned_mixed(names, data_args: DataArguments, stage: StageSpec, seed: int) -> "ray.data.Dataset":
     """Every named dataset read and aligned (in Ray tasks), then mixed."""
     attrs = get_dataset_attrs(names, data_args.dataset_dir)
-    check_stage_fields(attrs, stage)  # before any work: dpo/rm need ranking, kto a kto_tag column
+    check_stage_fields(attrs, stage.name, stage.dataset_need)  # before any work: dpo/rm need ranking, ...
     return _mix([_run(_aligned(attr, data_args, seed)) for attr in attrs], data_args, seed)
 
 
@@ -115,8 +139,14 @@ def _tokenized(rows, preprocess) -> "ray.data.Dataset":
     )
 
 
-def _aligned(attr, data_args, seed) -> "ray.data.Dataset":
-    raw = ray.data.from_arrow(read_table(attr, data_args.max_samples, seed))
+def _aligned(attr, data_args: DataArguments, seed: int) -> "ray.data.Dataset":
+    table = read_table(attr, data_args.max_samples, seed)
+    if table.num_rows == 0:
+        raise DataConfigError(
+            f"Dataset {attr.name!r} is empty: {attr.source} (file_name in {attr.info_path}) holds no rows. "
+            "Fill it, or remove the dataset from the config."
+        )
+    raw = ray.data.from_arrow(table)
     if data_args.skip_bad_rows:
         bad = _run(raw.map_batches(functools.partial(_bad_rows_block, attr=attr), batch_format="pyarrow"))
         if bad.count():
@@ -167,7 +197,7 @@ class _DataError(UserCodeException):
 
     Ray Data wraps a UDF's exception in a UserCodeException that is pickled without its cause,
     so the driver would only see "UDF failed to process a data block" and a remote traceback.
-    With ``raise_original_map_exception`` (see ``_data_errors_whole``) it passes this one on as
+    With ``raise_original_map_exception`` (see ``_pipeline_context``) it passes this one on as
     is; being a UserCodeException, Ray Data still reports it as the user's, not as its own bug.
     """
 
@@ -193,15 +223,22 @@ def _udf(fn):
 
 
 @contextlib.contextmanager
-def _data_errors_whole():
-    """Datasets created inside capture this setting (each copies the current DataContext)."""
+def _pipeline_context():
+    """The execution settings this pipeline relies on, whoever else uses Ray Data in the process.
+
+    Datasets created inside copy the current DataContext, so they keep these settings:
+    ``preserve_order`` (rows keep their file order: the windows that sft packing and pt blocks
+    fill, the seeded split and the tokenized_path cache all depend on it) and
+    ``raise_original_map_exception`` (a user's data error arrives whole, see ``_DataError``).
+    """
     context = ray.data.DataContext.get_current()
-    saved = context.raise_original_map_exception
+    saved = context.raise_original_map_exception, context.execution_options.preserve_order
     context.raise_original_map_exception = True
+    context.execution_options.preserve_order = True
     try:
         yield
     finally:
-        context.raise_original_map_exception = saved
+        context.raise_original_map_exception, context.execution_options.preserve_order = saved
 
 
 @_udf
@@ -248,30 +285,39 @@ def _user_error(err: BaseException) -> Optional[Exception]:
 _META = "rayfactory_tokenized.json"
 
 
-def _fingerprint(cfg, tokenizer, template) -> dict:
-    d = cfg.data
+# DataArguments that do not change a single tokenized row; every other one is in the fingerprint,
+# so a new data option is covered without anyone remembering to list it here.
+_ROW_NEUTRAL = ("tokenized_path", "overwrite_cache")
+
+
+def _fingerprint(data_args: DataArguments, stage: StageSpec, seed: int, tokenizer, template) -> dict:
+    """What the tokenized rows depend on: every data setting, the stage's tokenization, the
+    tokenizer and template, and each source file (dataset_info.json and the files it names)."""
+    settings = {k: v for k, v in dataclasses.asdict(data_args).items() if k not in _ROW_NEUTRAL}
     return {
-        "stage": cfg.finetuning.stage,
+        **settings,
+        "stage": stage.name,
+        "tokenize": stage.tokenize,
         "template": template.name,
         "tokenizer": getattr(tokenizer, "name_or_path", ""),
         "vocab_size": len(tokenizer),
-        "dataset": d.dataset,
-        "eval_dataset": d.eval_dataset,
-        "cutoff_len": d.cutoff_len,
-        "packing": d.packing,
-        "neat_packing": d.neat_packing,
-        "train_on_prompt": d.train_on_prompt,
-        "mask_history": d.mask_history,
-        "max_samples": d.max_samples,
-        "val_size": d.val_size,
-        "mix_strategy": d.mix_strategy,
-        "interleave_probs": d.interleave_probs,
-        "default_system": d.default_system,
-        "tool_format": d.tool_format,
-        "enable_thinking": d.enable_thinking,
         # The seed picks the validation rows and the interleaving order; otherwise it changes nothing.
-        "data_seed": cfg.training.seed if d.val_size or d.mix_strategy != "concat" else None,
+        "data_seed": seed if data_args.val_size or data_args.mix_strategy != "concat" else None,
+        "files": _source_files(data_args),
     }
+
+
+def _source_files(data_args: DataArguments) -> Optional[dict[str, list[int]]]:
+    """path -> [size, mtime_ns] of every file the rows come from; None where they are not here
+    (a cache made elsewhere and copied, with the data left behind)."""
+    try:
+        attrs = get_dataset_attrs(data_args.dataset, data_args.dataset_dir)
+        attrs += get_dataset_attrs(data_args.eval_dataset, data_args.dataset_dir)
+        paths = {attr.info_path for attr in attrs}
+        paths.update(path for attr in attrs if attr.load_from == "file" for path in data_files(attr))
+    except DataConfigError:
+        return None
+    return {path: [os.stat(path).st_size, os.stat(path).st_mtime_ns] for path in sorted(paths)}
 
 
 def _reuses_cache(data_args) -> bool:
@@ -300,12 +346,23 @@ def _save_cache(path: str, train, evaluation, fingerprint: dict) -> None:
 def _load_cache(path: str, fingerprint: dict) -> PreparedData:
     with open(os.path.join(path, _META), encoding="utf-8") as f:
         saved = json.load(f)
-    changed = sorted(k for k in fingerprint if saved.get(k) != fingerprint[k])
+    changed = sorted(k for k in fingerprint if k != "files" and saved.get(k) != fingerprint[k])
     if changed:
         details = ", ".join(f"{k}: {saved.get(k)!r} -> {fingerprint[k]!r}" for k in changed)
         raise DataConfigError(
             f"tokenized_path {path} was made with different settings ({details}). Set "
             "overwrite_cache: true to tokenize again into it, or point tokenized_path at a new folder."
+        )
+    files = fingerprint["files"]
+    if files is None:
+        print(f"[rayfactory] note: the source data is not here; reusing {path} as it was saved", flush=True)
+    elif files != saved.get("files"):
+        was = saved.get("files") or {}
+        edited = [f for f in files if was.get(f) != files[f]] + [f for f in was if f not in files]
+        raise DataConfigError(
+            f"tokenized_path {path} was made from other data: {', '.join(edited)} changed since (size or "
+            "modification time). Set overwrite_cache: true to tokenize the current data into it, or point "
+            "tokenized_path at a new folder."
         )
     train = ray.data.read_parquet(os.path.join(path, "train"))
     eval_dir = os.path.join(path, "eval")

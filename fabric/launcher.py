@@ -4,28 +4,30 @@ from __future__ import annotations
 
 import logging
 import time
+from typing import TYPE_CHECKING, Iterable
 
 from ray.train import CheckpointConfig, DataConfig, FailureConfig, RunConfig, ScalingConfig
 from ray.train.torch import TorchConfig, TorchTrainer
 
+from stages.job import JobSpec
+
+from .args import RayArguments
 from .worker import WorkerPayload, train_loop
+
+if TYPE_CHECKING:
+    import ray
+    from transformers import TrainerCallback
 
 logger = logging.getLogger(__name__)
 
 
-def launch_training(cfg, train_ds, eval_ds=None, callbacks=()):
+def launch_training(
+    spec: JobSpec, ray_args: RayArguments, train_ds: "ray.data.Dataset", eval_ds: "ray.data.Dataset | None" = None,
+    callbacks: Iterable["TrainerCallback"] = (),
+) -> "ray.train.Result":
     """Fit on ``ray_num_workers`` workers; the result carries the final metrics and checkpoint."""
-    ray_args, training = cfg.ray, cfg.training
-    payload = WorkerPayload(
-        model_args=cfg.model,
-        data_args=cfg.data,
-        finetuning_args=cfg.finetuning,
-        training_options=training,
-        has_eval=eval_ds is not None,
-        use_cpu=not ray_args.uses_gpu,
-        resume_from_checkpoint=training.resume_from_checkpoint,
-        callbacks=list(callbacks),
-    )
+    training = spec.training
+    payload = WorkerPayload(spec, has_eval=eval_ds is not None, use_cpu=not ray_args.uses_gpu, callbacks=list(callbacks))
     datasets = {"train": train_ds} | ({"eval": eval_ds} if eval_ds is not None else {})
     trainer = TorchTrainer(
         train_loop_per_worker=train_loop,
@@ -38,8 +40,9 @@ def launch_training(cfg, train_ds, eval_ds=None, callbacks=()):
             placement_strategy=ray_args.placement_strategy,
         ),
         datasets=datasets,
-        # Not split by Ray: the Trainer's sampler shards (see worker.shard_to_hf_dataset).
-        dataset_config=DataConfig(datasets_to_split=[]),
+        # Not split by Ray: the Trainer's sampler shards (see worker.shard_to_hf_dataset); rows
+        # arrive in the tokenized order, which exact resume and worker-count parity rely on.
+        dataset_config=DataConfig(datasets_to_split=[], execution_options=_ordered_ingest()),
         run_config=RunConfig(
             name=ray_args.ray_run_name or default_run_name(training.output_dir),
             storage_path=ray_args.ray_storage_path,
@@ -48,6 +51,12 @@ def launch_training(cfg, train_ds, eval_ds=None, callbacks=()):
         ),
     )
     return trainer.fit()
+
+
+def _ordered_ingest():
+    options = DataConfig.default_ingest_options()
+    options.preserve_order = True
+    return options
 
 
 def default_run_name(output_dir: str) -> str:

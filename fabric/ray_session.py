@@ -7,6 +7,8 @@ import os
 
 import ray
 
+from .args import RayArguments
+
 logger = logging.getLogger(__name__)
 
 _REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -19,7 +21,7 @@ WORKER_ENV = {
 }
 
 
-def connect(ray_args) -> dict:
+def connect(ray_args: RayArguments) -> dict:
     """Connect to ``ray_address`` / ``RAY_ADDRESS`` or start a local Ray; return its resources."""
     for key, value in WORKER_ENV.items():
         os.environ.setdefault(key, value)  # the Train controller reads it in this process
@@ -41,7 +43,7 @@ def connect(ray_args) -> dict:
     return resources
 
 
-def local_cpu_count(ray_args) -> int:
+def local_cpu_count(ray_args: RayArguments) -> int:
     """Logical CPUs for a local Ray: enough for every worker plus one for data and the controller.
 
     Declaring more CPUs than the machine has only oversubscribes threads; declaring fewer leaves a
@@ -56,6 +58,4 @@ def local_cpu_count(ray_args) -> int:
 
 def quiet_ray_data() -> None:
     """Ray Data's progress bars redraw many times a second in captured logs; periodic lines suffice."""
-    ctx = ray.data.DataContext.get_current()
-    ctx.enable_progress_bars = False
-    ctx.execution_options.preserve_order = True  # tokenized rows keep the file order
+    ray.data.DataContext.get_current().enable_progress_bars = False

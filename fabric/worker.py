@@ -4,9 +4,14 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Optional
 
 import ray.train
+
+from stages.job import JobSpec
+
+if TYPE_CHECKING:
+    from transformers import TrainerCallback
 
 # The HF checkpoint folder inside a Ray checkpoint (RayTrainReportCallback's layout).
 RAY_CKPT_SUBDIR = "checkpoint"
@@ -14,16 +19,12 @@ RAY_CKPT_SUBDIR = "checkpoint"
 
 @dataclass
 class WorkerPayload:
-    """The typed config slices a worker needs; pickled once by Ray Train."""
+    """What every worker of a run gets; pickled once by Ray Train."""
 
-    model_args: Any
-    data_args: Any
-    finetuning_args: Any
-    training_options: Any  # stages.args.TrainingOptions (built into real arguments on the worker)
+    spec: JobSpec
     has_eval: bool = False
     use_cpu: bool = True  # CPU workers must say so, or accelerate treats each one as a lone process
-    resume_from_checkpoint: Optional[str] = None
-    callbacks: list = field(default_factory=list)
+    callbacks: list["TrainerCallback"] = field(default_factory=list)
 
 
 def train_loop(config: dict) -> None:
@@ -32,32 +33,30 @@ def train_loop(config: dict) -> None:
     from transformers import set_seed
 
     from stages.job import StageJob
-    from stages.registry import get_stage_runner
 
     from .ray_session import quiet_ray_data
 
     payload: WorkerPayload = config["payload"]
+    spec = payload.spec
     quiet_ray_data()
     _limit_threads()
 
     train = shard_to_hf_dataset("train")
     evaluation = shard_to_hf_dataset("eval") if payload.has_eval else None
-    if payload.training_options.values.get("deepspeed"):
+    if spec.training.values.get("deepspeed"):
         _join_deepspeed_comm(payload.use_cpu)
-    training_args = payload.training_options.build(**({"use_cpu": True} if payload.use_cpu else {}))
+    training_args = spec.training_arguments(use_cpu=payload.use_cpu)
     set_seed(training_args.seed)  # the stage builds the model (LoRA init) before the Trainer seeds
     job = StageJob(
-        model_args=payload.model_args,
-        data_args=payload.data_args,
-        finetuning_args=payload.finetuning_args,
+        spec=spec,
         training_args=training_args,
         train_dataset=train,
         eval_dataset=evaluation,
         callbacks=[_report_callback(), *payload.callbacks],
-        resume_from_checkpoint=_resume_point(payload),
+        resume_from_checkpoint=_resume_point(training_args.resume_from_checkpoint),
         prepare_trainer=prepare_trainer,
     )
-    metrics = get_stage_runner(payload.finetuning_args.stage)(job)
+    metrics = spec.stage.load_runner()(job)
     ray.train.report({k: v for k, v in metrics.items() if isinstance(v, (int, float))})
 
 
@@ -93,15 +92,15 @@ def _report_callback():
     return ReportAfterAllRanksSaved()
 
 
-def _resume_point(payload: WorkerPayload) -> Optional[str]:
+def _resume_point(requested: Optional[str]) -> Optional[str]:
     """A restarted worker group resumes from Ray's last reported checkpoint; otherwise the user's
-    ``resume_from_checkpoint`` (a checkpoint folder; cluster/config.py checks it exists)."""
+    ``resume_from_checkpoint`` (a checkpoint folder; the config checks it exists)."""
     checkpoint = ray.train.get_checkpoint()
     if checkpoint is not None:
         local = checkpoint.to_directory()
         nested = os.path.join(local, RAY_CKPT_SUBDIR)
         return nested if os.path.isdir(nested) else local
-    return payload.resume_from_checkpoint or None
+    return requested or None
 
 
 def _join_deepspeed_comm(use_cpu: bool) -> None:

@@ -7,10 +7,12 @@ import re
 
 import torch
 
+from registries.errors import UserError
+
 logger = logging.getLogger(__name__)
 
 
-class AdapterError(ValueError):
+class AdapterError(UserError):
     """A finetuning option that does not fit the model (wrong module names, too many layers...)."""
 
 

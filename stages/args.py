@@ -19,6 +19,10 @@ from dataclasses import dataclass, field
 from functools import lru_cache
 from typing import Any, Literal
 
+from registries.errors import ArgumentError, UserError
+
+from .table import StageSpec, UnknownStageError, get_stage
+
 # bitsandbytes (imported by peft, which transformers' training_args imports) warns at import time that
 # it cannot fetch an optional CPU kernel from the hub; its built-in fallback runs instead. That line
 # would open every run's output, on the driver and on each worker, so keep that logger to errors.
@@ -27,19 +31,8 @@ logging.getLogger("bitsandbytes.backends.cpu.ops").setLevel(logging.ERROR)
 AttentionImpl = Literal["eager", "sdpa", "flash_attention_2", "flash_attention_3", "flex_attention"]
 
 
-class TrainingOptionsError(ValueError):
+class TrainingOptionsError(UserError):
     """Trainer options that transformers refuses (e.g. save and eval strategies that must match)."""
-
-
-class ArgumentError(ValueError):
-    """A value that breaks one argument group's rules; ``key`` lets the config name its source."""
-
-    def __init__(self, key: str, message: str):
-        self.key = key
-        super().__init__(message)
-
-    def __reduce__(self):  # picklable across Ray processes
-        return (ArgumentError, (self.key, str(self)))
 
 
 @dataclass
@@ -69,7 +62,7 @@ class ModelArguments:
 
 @dataclass
 class FinetuningArguments:
-    stage: Literal["pt", "sft", "rm", "ppo", "dpo", "kto"] = "sft"
+    stage: str = "sft"  # a name in the stage table (stages/table.py)
     finetuning_type: Literal["full", "freeze", "lora"] = "lora"
     # freeze: train the last N layers (negative: the first N), limited to these modules.
     freeze_trainable_layers: int = 2
@@ -95,14 +88,13 @@ class FinetuningArguments:
     ref_model_adapters: list[str] | None = None
     reward_model: str | None = None  # required by stage ppo
     reward_model_adapters: list[str] | None = None
-    ppo_epochs: int = 4
-    ppo_buffer_size: int = 1
-    ppo_target: float = 6.0
-    ppo_score_norm: bool = False
-    ppo_whiten_rewards: bool = False
     plot_loss: bool = False
 
     def __post_init__(self) -> None:
+        try:
+            get_stage(self.stage, trainable=False)
+        except UnknownStageError as exc:
+            raise ArgumentError("stage", str(exc)) from None
         if self.lora_alpha is None:
             self.lora_alpha = 2 * self.lora_rank
         if self.lora_rank < 1:
@@ -141,13 +133,21 @@ class FinetuningArguments:
             )
 
     @property
+    def spec(self) -> StageSpec:
+        """This stage's entry in the stage table."""
+        return get_stage(self.stage, trainable=False)
+
+    @property
     def use_ref_model(self) -> bool:
-        """Whether the stage needs a frozen reference policy (orpo and simpo do not)."""
-        return self.stage == "kto" or (self.stage == "dpo" and self.pref_loss not in ("orpo", "simpo"))
+        """Whether the stage needs a frozen reference policy (the stage table says; orpo and simpo do not)."""
+        return self.spec.needs_reference(self)
 
 
 @dataclass
 class GeneratingArguments:
+    """Decoding options (LLaMA-Factory names). Parsed and saved with every run; chat, predict and
+    the RL rollouts read them (stages/generation.py turns them into generate() arguments)."""
+
     do_sample: bool = True
     temperature: float = 0.95
     top_p: float = 0.7

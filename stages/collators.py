@@ -162,29 +162,41 @@ class NeatPackingCollator(PaddingCollator):
         return batch
 
 
-def build_collator(stage: str, tokenizer, data_args, model=None, pad_to_multiple_of: int | None = None):
-    """The collator for a stage's tokenized columns (see ``registries.tokenize``).
+# Collator factories, one per tokenization kind; the stage table names them.
+# Each takes (tokenizer, data_args, model=None, pad_to_multiple_of=None).
 
-    pt/sft pad on the right (sft with ``neat_packing`` isolates packed examples, with a mask in
-    the model's dtype); rm/dpo stack chosen then rejected; kto adds the KL batch; ppo/predict
-    pad on the left so generation continues every prompt at the same position.
-    """
-    kwargs = dict(pad_to_multiple_of=pad_to_multiple_of)
-    if stage in ("pt", "sft"):
-        if stage == "sft" and getattr(data_args, "neat_packing", False):
-            attn = str(getattr(getattr(model, "config", None), "_attn_implementation", "") or "")
-            dtype = getattr(model, "dtype", torch.float32)
-            return NeatPackingCollator.from_tokenizer(
-                tokenizer, "right", dtype=dtype, four_d_mask=not attn.startswith("flash"), **kwargs
-            )
-        return PaddingCollator.from_tokenizer(tokenizer, "right", **kwargs)
-    if stage in ("rm", "dpo"):
-        return PairwiseCollator.from_tokenizer(tokenizer, "right", **kwargs)
-    if stage == "kto":
-        return KTOCollator.from_tokenizer(tokenizer, "right", **kwargs)
-    if stage in ("ppo", "predict"):
-        return PaddingCollator.from_tokenizer(tokenizer, "left", **kwargs)
-    raise ValueError(f"No collator for stage {stage!r}; expected one of pt, sft, rm, dpo, kto, ppo, predict.")
+
+def padding_collator(tokenizer, data_args, model=None, pad_to_multiple_of: int | None = None):
+    """pt: rows padded on the right."""
+    return PaddingCollator.from_tokenizer(tokenizer, "right", pad_to_multiple_of=pad_to_multiple_of)
+
+
+def supervised_collator(tokenizer, data_args, model=None, pad_to_multiple_of: int | None = None):
+    """sft pads on the right; with ``neat_packing`` it isolates packed examples, with a mask in the
+    model's dtype (flash-attention kernels take restarting positions instead of a mask)."""
+    if getattr(data_args, "neat_packing", False):
+        attn = str(getattr(getattr(model, "config", None), "_attn_implementation", "") or "")
+        dtype = getattr(model, "dtype", torch.float32)
+        return NeatPackingCollator.from_tokenizer(
+            tokenizer, "right", dtype=dtype, four_d_mask=not attn.startswith("flash"),
+            pad_to_multiple_of=pad_to_multiple_of,
+        )
+    return PaddingCollator.from_tokenizer(tokenizer, "right", pad_to_multiple_of=pad_to_multiple_of)
+
+
+def pairwise_collator(tokenizer, data_args, model=None, pad_to_multiple_of: int | None = None):
+    """rm/dpo: chosen then rejected, stacked."""
+    return PairwiseCollator.from_tokenizer(tokenizer, "right", pad_to_multiple_of=pad_to_multiple_of)
+
+
+def kto_collator(tokenizer, data_args, model=None, pad_to_multiple_of: int | None = None):
+    """kto: the examples plus their KL batch and tags."""
+    return KTOCollator.from_tokenizer(tokenizer, "right", pad_to_multiple_of=pad_to_multiple_of)
+
+
+def prompt_collator(tokenizer, data_args, model=None, pad_to_multiple_of: int | None = None):
+    """Prompts for generation pad on the left, so every prompt ends where generation starts."""
+    return PaddingCollator.from_tokenizer(tokenizer, "left", pad_to_multiple_of=pad_to_multiple_of)
 
 
 def restarting_positions(segments: torch.Tensor) -> torch.Tensor:

@@ -21,17 +21,8 @@ import torch
 import torch.nn.functional as F
 from transformers import Trainer
 
-from .collators import build_collator
 from .job import StageJob
-from .loading import load_model, load_tokenizer_and_template
-from .preference import (
-    BatchMetricsMixin,
-    Reference,
-    build_reference,
-    disable_dropout,
-    forward_logps,
-    keep_pair_columns,
-)
+from .preference import BatchMetricsMixin, Reference, disable_dropout, forward_logps
 
 LENGTH_NORMALIZED = ("ipo", "orpo", "simpo")  # these compare average, not summed, log-probs
 
@@ -136,15 +127,14 @@ class PreferenceTrainer(BatchMetricsMixin, Trainer):
 
 def run_dpo(job: StageJob) -> dict:
     # 1. tokenizer and template exactly as the data was tokenized with
-    tokenizer, template = load_tokenizer_and_template(job.model_args, job.data_args)
+    tokenizer, template = job.tokenizer_and_template()
     # 2. the policy, and the reference it is measured against (none, the adapter-less policy, or a copy)
-    model = load_model(job.model_args, job.finetuning_args, tokenizer, job.training_args)
+    model = job.load_model(tokenizer)
     disable_dropout(model)
-    reference = build_reference(model, job.model_args, job.finetuning_args, tokenizer, job.training_args)
+    reference = job.build_reference(model, tokenizer)
     # 3. the preference Trainer on this worker's pairs
     trainer = job.build_trainer(
-        PreferenceTrainer, model, tokenizer, build_collator("dpo", tokenizer, job.data_args, model),
-        args=keep_pair_columns(job.training_args), reference=reference, finetuning_args=job.finetuning_args,
+        PreferenceTrainer, model, tokenizer, reference=reference, finetuning_args=job.spec.finetuning
     )
     # 4. train, then 5. adapter/model, tokenizer + chat template, state, metrics, plot
     return job.train_and_save(trainer, tokenizer, template)

@@ -12,7 +12,12 @@ import torch
 @torch.no_grad()
 def generate_replies(model, tokenizer, template, prompts: list[list[dict]], system: str | None = None,
                      max_new_tokens: int = 32, batch_size: int = 32, **generate_kwargs) -> list[str]:
-    """One reply per conversation prompt (a message list ending on a user turn)."""
+    """One reply per conversation prompt (a message list ending on a user turn).
+
+    ``generate_kwargs`` (``do_sample``, ``temperature``, ...) apply to every batch alike; greedy
+    decoding unless ``do_sample=True``.
+    """
+    options = {"do_sample": False, **generate_kwargs}  # read once: every batch decodes the same way
     model.eval()
     stop_ids = template.stop_token_ids(tokenizer)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else stop_ids[0]
@@ -30,10 +35,9 @@ def generate_replies(model, tokenizer, template, prompts: list[list[dict]], syst
             input_ids=input_ids.to(model.device),
             attention_mask=attention.to(model.device),
             max_new_tokens=max_new_tokens,
-            do_sample=generate_kwargs.pop("do_sample", False),
             eos_token_id=stop_ids,
             pad_token_id=pad_id,
-            **generate_kwargs,
+            **options,
         )
         for row in output[:, width:]:
             replies.append(tokenizer.decode(row, skip_special_tokens=True).strip())

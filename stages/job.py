@@ -1,42 +1,97 @@
-"""What the fabric hands a stage: typed config slices, the worker's data, and hooks.
+"""What a stage is handed: the run's typed config (``JobSpec``) and, on a worker, ``StageJob``.
 
-Also the two steps every recipe ends with, so each stage only says what differs: which Trainer,
-which collator, which extra arguments.
+``JobSpec`` is the one object the driver ships to every process of a run, whatever its role:
+Ray Train workers today, long-lived RL and serving actors next. Each component takes the slice
+it needs from it. ``StageJob`` adds what exists only on the worker: the built trainer
+arguments, this worker's data and the fabric's hooks. Its methods are the steps every recipe
+shares, so a recipe only says what differs: which Trainer, which extra pieces. Torch and
+Transformers are imported only by those methods: the driver builds a JobSpec while parsing the
+config, which must stay quick.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Callable, Optional
+from typing import TYPE_CHECKING, Callable, Optional
 
-from .callbacks import JsonlLogCallback
-from .outputs import save_outputs
+from registries.datasets.args import DataArguments
+
+from .args import FinetuningArguments, ModelArguments, TrainingOptions
+from .table import StageSpec
+
+if TYPE_CHECKING:  # heavy imports, only for the annotations
+    import datasets
+    from transformers import Seq2SeqTrainingArguments, TrainerCallback
+
+
+@dataclass
+class JobSpec:
+    """The run's typed config: model, data (template already resolved), method and trainer options."""
+
+    model: ModelArguments
+    data: DataArguments
+    finetuning: FinetuningArguments
+    training: TrainingOptions
+
+    @property
+    def stage(self) -> StageSpec:
+        return self.finetuning.spec
+
+    def training_arguments(self, use_cpu: bool) -> "Seq2SeqTrainingArguments":
+        """The real trainer arguments, built where training runs (it sets up devices)."""
+        overrides = {"use_cpu": True} if use_cpu else {}
+        if self.stage.keeps_extra_columns:
+            # The Trainer keeps only columns forward() names; this stage's collator needs the rest.
+            overrides["remove_unused_columns"] = False
+        return self.training.build(**overrides)
 
 
 @dataclass
 class StageJob:
-    model_args: Any
-    data_args: Any
-    finetuning_args: Any
-    training_args: Any  # transformers.Seq2SeqTrainingArguments
-    train_dataset: Any  # datasets.Dataset of tokenized rows
-    eval_dataset: Optional[Any] = None
-    callbacks: list = field(default_factory=list)  # extra TrainerCallbacks (Ray reporting, tests)
+    spec: JobSpec
+    training_args: "Seq2SeqTrainingArguments"
+    train_dataset: "datasets.Dataset"  # tokenized rows
+    eval_dataset: Optional["datasets.Dataset"] = None
+    callbacks: list["TrainerCallback"] = field(default_factory=list)  # Ray reporting, the Python API's hooks
+    # Where training resumes: a restarted worker group's last Ray checkpoint, or the user's folder.
     resume_from_checkpoint: Optional[str] = None
     # The distribution layer's last word on the trainer (e.g. Ray's prepare_trainer); stages stay placement-free.
     prepare_trainer: Optional[Callable] = None
 
-    def build_trainer(self, trainer_class, model, tokenizer, collator, args=None, **extra):
+    def tokenizer_and_template(self):
+        """The tokenizer and template exactly as the driver tokenized the data with."""
+        from .loading import load_tokenizer_and_template
+
+        return load_tokenizer_and_template(self.spec.model, self.spec.data)
+
+    def load_model(self, tokenizer):
+        """The model with its adapter (full / freeze / lora / qlora), in the trainer's precision."""
+        from .loading import load_model
+
+        return load_model(self.spec.model, self.spec.finetuning, tokenizer, self.training_args)
+
+    def build_reference(self, policy, tokenizer):
+        """The frozen reference policy the stage needs (none, the adapter-disabled base, or a copy)."""
+        from .preference import build_reference
+
+        return build_reference(policy, self.spec.model, self.spec.finetuning, tokenizer, self.training_args)
+
+    def collator(self, tokenizer, model=None):
+        """The stage table's collator for this stage's tokenized columns."""
+        return self.spec.stage.load_collator_factory()(tokenizer, self.spec.data, model)
+
+    def build_trainer(self, trainer_class, model, tokenizer, **extra):
         """`trainer_class` on this worker's data, logging to trainer_log.jsonl, handed to the fabric's hook."""
-        args = args if args is not None else self.training_args
+        from .callbacks import JsonlLogCallback
+
         trainer = trainer_class(
             model=model,
-            args=args,
+            args=self.training_args,
             train_dataset=self.train_dataset,
             eval_dataset=self.eval_dataset,
-            data_collator=collator,
+            data_collator=self.collator(tokenizer, model),
             processing_class=tokenizer,
-            callbacks=[JsonlLogCallback(args.output_dir), *self.callbacks],
+            callbacks=[JsonlLogCallback(self.training_args.output_dir), *self.callbacks],
             **extra,
         )
         return self.prepare_trainer(trainer) if self.prepare_trainer is not None else trainer
@@ -44,5 +99,7 @@ class StageJob:
     def train_and_save(self, trainer, tokenizer, template) -> dict:
         """Train (a resume restores optimizer, scheduler, RNG and the data position), then write the
         adapter or model, the tokenizer with its chat template, state, metrics and the loss plot."""
+        from .outputs import save_outputs
+
         result = trainer.train(resume_from_checkpoint=self.resume_from_checkpoint)
-        return save_outputs(trainer, tokenizer, template, result, self.finetuning_args)
+        return save_outputs(trainer, tokenizer, template, result, self.spec.finetuning)

@@ -19,17 +19,8 @@ from typing import Callable, Optional
 import torch
 from transformers import Trainer
 
-from .collators import build_collator
 from .job import StageJob
-from .loading import load_model, load_tokenizer_and_template
-from .preference import (
-    BatchMetricsMixin,
-    Reference,
-    build_reference,
-    disable_dropout,
-    forward_logps,
-    keep_pair_columns,
-)
+from .preference import BatchMetricsMixin, Reference, disable_dropout, forward_logps
 
 
 @dataclass
@@ -146,18 +137,13 @@ class KTOTrainer(BatchMetricsMixin, Trainer):
 
 # ------------------------------------------------------------------------------ the recipe
 def run_kto(job: StageJob) -> dict:
-    # The KTO columns (kl_*, kto_tags) are not arguments of the model's forward(): keep them.
-    args = keep_pair_columns(job.training_args)
     # 1. tokenizer and template exactly as the data was tokenized with
-    tokenizer, template = load_tokenizer_and_template(job.model_args, job.data_args)
+    tokenizer, template = job.tokenizer_and_template()
     # 2. policy with its adapter, and the frozen reference (LoRA: the same model, adapter off)
-    model = load_model(job.model_args, job.finetuning_args, tokenizer, args)
+    model = job.load_model(tokenizer)
     disable_dropout(model)  # dropout noise would separate policy from reference before any learning
-    reference = build_reference(model, job.model_args, job.finetuning_args, tokenizer, args)
-    # 3. the KTO trainer on this worker's data
-    trainer = job.build_trainer(
-        KTOTrainer, model, tokenizer, build_collator("kto", tokenizer, job.data_args, model),
-        args=args, finetuning_args=job.finetuning_args, reference=reference,
-    )
+    reference = job.build_reference(model, tokenizer)
+    # 3. the KTO trainer on this worker's data (kl_* and kto_tags columns kept: see the stage table)
+    trainer = job.build_trainer(KTOTrainer, model, tokenizer, finetuning_args=job.spec.finetuning, reference=reference)
     # 4. train, then 5. adapter/model, tokenizer + chat template, state, metrics, plot
     return job.train_and_save(trainer, tokenizer, template)

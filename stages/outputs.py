@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 
@@ -72,8 +71,3 @@ def _smooth(values, weight: float = 0.8) -> list[float]:
         last = last * weight + (1 - weight) * v
         out.append(last)
     return out
-
-
-def write_json(path: str, payload: dict) -> None:
-    with open(path, "w", encoding="utf-8") as f:
-        json.dump(payload, f, indent=2)

@@ -17,8 +17,6 @@ Public API (stable; stages/kto.py imports it):
   training device (wrapped by DeepSpeed for ZeRO-3, which shards it like the policy).
 * ``Reference.logps(policy, input_ids, attention_mask, labels) -> (logps, lengths)``: reference
   log-probs under ``torch.no_grad()``; ``policy`` is the model the Trainer hands ``compute_loss``.
-* ``keep_pair_columns(training_args) -> training_args``: sets ``remove_unused_columns=False``
-  (else the Trainer drops chosen_*/rejected_*/kl_* columns, which no model forward names).
 * ``BatchMetricsMixin``: put before ``transformers.Trainer`` in a stage's Trainer that defines
   ``batch_loss(model, inputs) -> (loss, {name: float})``; it stores the metrics per batch, logs
   their means (averaged over workers) with each training log line and adds them, prefixed
@@ -167,13 +165,6 @@ def build_reference(policy, model_args, finetuning_args, tokenizer, training_arg
     return Reference("model", model)
 
 
-def keep_pair_columns(training_args):
-    """The Trainer keeps only columns the model's forward() names; the preference stages feed
-    chosen_*/rejected_* (and kto's kl_*) columns to their collator, so nothing may be dropped."""
-    training_args.remove_unused_columns = False
-    return training_args
-
-
 class BatchMetricsMixin:
     """Per-batch metrics of a custom loss, logged like TRL's trainers log theirs (see module doc)."""
 
@@ -263,7 +254,6 @@ __all__ = [
     "build_reference",
     "disable_dropout",
     "forward_logps",
-    "keep_pair_columns",
     "pairwise_logps",
     "preference_accuracy",
     "sequence_logps",

@@ -16,10 +16,8 @@ import torch.nn.functional as F
 from transformers import Trainer
 from transformers.trainer import TRAINING_ARGS_NAME
 
-from .collators import build_collator
 from .job import StageJob
-from .loading import load_model, load_tokenizer_and_template
-from .preference import BatchMetricsMixin, keep_pair_columns
+from .preference import BatchMetricsMixin
 from .value_head import ValueHeadModel, is_adapter_folder
 
 
@@ -76,13 +74,10 @@ class RewardTrainer(BatchMetricsMixin, Trainer):
 
 def run_rm(job: StageJob) -> dict:
     # 1. tokenizer and template exactly as the data was tokenized with
-    tokenizer, template = load_tokenizer_and_template(job.model_args, job.data_args)
+    tokenizer, template = job.tokenizer_and_template()
     # 2. causal LM with its adapter, plus a fresh value head (always trained, whatever the adapter)
-    model = ValueHeadModel(load_model(job.model_args, job.finetuning_args, tokenizer, job.training_args))
+    model = ValueHeadModel(job.load_model(tokenizer))
     # 3. the pairwise Trainer on this worker's pairs
-    trainer = job.build_trainer(
-        RewardTrainer, model, tokenizer, build_collator("rm", tokenizer, job.data_args, model),
-        args=keep_pair_columns(job.training_args),
-    )
+    trainer = job.build_trainer(RewardTrainer, model, tokenizer)
     # 4. train, then 5. LM (adapter or full) + value_head.safetensors, tokenizer + chat template, state, metrics
     return job.train_and_save(trainer, tokenizer, template)

@@ -4,12 +4,26 @@ from __future__ import annotations
 
 import os
 import sys
+from pathlib import Path
 
 import pytest
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if REPO_ROOT not in sys.path:
     sys.path.insert(0, REPO_ROOT)
+
+# Every end-to-end test starts Ray one way or another: the ray_session fixture, the rayfactory CLI
+# in a subprocess (which starts its own local Ray), or `ray start --head`.
+E2E_DIR = Path(REPO_ROOT) / "tests" / "e2e"
+
+
+def pytest_collection_modifyitems(config, items):
+    """Mark every test that starts a real Ray with ``ray``, so ``pytest -m "not ray"`` is the fast
+    loop: tests that use ``ray_session`` (directly or through another fixture) and everything
+    under tests/e2e/."""
+    for item in items:
+        if "ray_session" in getattr(item, "fixturenames", ()) or Path(str(item.path)).is_relative_to(E2E_DIR):
+            item.add_marker(pytest.mark.ray)
 
 
 @pytest.fixture(scope="session")

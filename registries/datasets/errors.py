@@ -5,21 +5,23 @@
 * ``DatasetRowError``: one row of one file is wrong. It carries the dataset, file, 1-based row
   and field so a user can open the file and go straight to the problem.
 
-Both subclass ValueError, so callers that only care "was the input bad?" can catch that.
+Both are ``registries.errors.UserError``s: front doors show their message without a traceback.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
+from registries.errors import UserError
+
 SKIP_HINT = "Fix the row, or set skip_bad_rows: true to drop such rows and report them."
 
 
-class DataConfigError(ValueError):
+class DataConfigError(UserError):
     """A configuration mistake (arguments, dataset_info.json, stage requirements)."""
 
 
-class DatasetRowError(ValueError):
+class DatasetRowError(UserError):
     """A bad row: ``row 17 of data/my.json (dataset 'my'): column 'output' is a list, expected a string``."""
 
     def __init__(self, dataset: str, file: str, row: int, field: str, problem: str):

@@ -11,6 +11,7 @@ import json
 from typing import Any, Callable
 
 from ..templates.tools import parse_function_message
+from ..unique import add_unique
 from .errors import describe_type
 from .rowcontext import RowContext
 
@@ -25,9 +26,7 @@ TOOL_RESULT_JOINER = "\n</tool_response>\n<tool_response>\n"
 
 
 def register_format(name: str, aligner: Callable[[RowContext], Aligned]) -> None:
-    if name in FORMAT_ALIGNERS:
-        raise ValueError(f"Dataset format {name!r} is already registered.")
-    FORMAT_ALIGNERS[name] = aligner
+    add_unique(FORMAT_ALIGNERS, name, aligner, "Dataset format")
 
 
 def _message(role: str, content: str) -> dict[str, str]:

@@ -28,10 +28,11 @@ class LoadedData:
     skipped: list[DatasetRowError] = field(default_factory=list)
 
 
-def load_aligned(args: DataArguments, stage: str, seed: int = 42) -> LoadedData:
+def load_aligned(args: DataArguments, stage: str, need: str = "plain", seed: int = 42) -> LoadedData:
+    """``need`` is what the stage needs each dataset to carry (stage_fields.DATASET_NEEDS)."""
     train_attrs = get_dataset_attrs(args.dataset, args.dataset_dir)
     eval_attrs = get_dataset_attrs(args.eval_dataset, args.dataset_dir)
-    check_stage_fields(train_attrs + eval_attrs, stage)  # fail before reading anything
+    check_stage_fields(train_attrs + eval_attrs, stage, need)  # fail before reading anything
 
     skipped: list[DatasetRowError] = []
     train = _load_mixed(train_attrs, args, seed, skipped)

@@ -17,6 +17,7 @@ import re
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
+from ..unique import add_unique
 from .words import WORDS
 
 
@@ -53,10 +54,7 @@ TASKS: dict[str, SyntheticTask] = {}
 
 
 def register_task(task: SyntheticTask) -> SyntheticTask:
-    if task.name in TASKS:
-        raise ValueError(f"Synthetic task {task.name!r} is already registered.")
-    TASKS[task.name] = task
-    return task
+    return add_unique(TASKS, task.name, task, "Synthetic task")
 
 
 def get_task(name: str) -> SyntheticTask:

@@ -4,6 +4,7 @@ from .registry import get_template, list_templates, register_template
 from .slots import BOS, EOS, NamedToken
 from .template import Template
 from .tools import FunctionCall
+from .verification import UNVERIFIED, verification_source
 
 __all__ = [
     "BOS",
@@ -11,7 +12,9 @@ __all__ = [
     "FunctionCall",
     "NamedToken",
     "Template",
+    "UNVERIFIED",
     "get_template",
     "list_templates",
     "register_template",
+    "verification_source",
 ]

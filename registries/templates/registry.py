@@ -1,8 +1,14 @@
-"""The template registry: one ``register_template`` call per family, duplicates rejected."""
+"""The template registry: one ``register_template`` call per family, duplicates rejected.
+
+The built-in families (``families/``) are registered lazily, by the first call into this
+registry, user registrations included: a user's ``register_template`` under a built-in name is
+then refused at that call, and can never break the families' own registration later.
+"""
 
 from __future__ import annotations
 
 import difflib
+import importlib
 from typing import Sequence
 
 from .formatters import FunctionFormatter, StringFormatter, ToolFormatter
@@ -10,6 +16,9 @@ from .slots import EOS, Slot
 from .template import Template
 
 TEMPLATES: dict[str, Template] = {}
+# "unloaded" -> "loading" (families/ being imported; its own register_template calls land here)
+# -> "loaded". A failed import goes back to "unloaded", so the next call retries and re-raises.
+_families_state = "unloaded"
 
 
 def register_template(
@@ -41,6 +50,7 @@ def register_template(
     than slots (gpt-oss puts the thought before the reply's channel header) passes its own
     ``assistant_formatter`` / ``function_formatter``.
     """
+    _load_families()  # built-ins first: a user's duplicate of one is refused here, not at a later lookup
     if name in TEMPLATES:
         raise ValueError(f"Template {name!r} is already registered.")
     if assistant is None:
@@ -87,4 +97,15 @@ def list_templates() -> list[str]:
 
 
 def _load_families() -> None:
-    from . import families  # noqa: F401  (registers every family on first import)
+    """Register every built-in family, once. Reentrant: the families' own ``register_template``
+    calls (made while families/ is being imported) find it loading and go straight on."""
+    global _families_state
+    if _families_state != "unloaded":
+        return
+    _families_state = "loading"
+    try:
+        importlib.import_module(f"{__package__}.families")
+    except BaseException:
+        _families_state = "unloaded"
+        raise
+    _families_state = "loaded"

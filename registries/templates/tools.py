@@ -11,6 +11,8 @@ import re
 from dataclasses import dataclass
 from typing import Any, Callable, NamedTuple
 
+from ..unique import add_unique
+
 
 class FunctionCall(NamedTuple):
     name: str
@@ -29,10 +31,7 @@ TOOL_FORMATS: dict[str, ToolFormat] = {}
 
 
 def register_tool_format(fmt: ToolFormat) -> ToolFormat:
-    if fmt.name in TOOL_FORMATS:
-        raise ValueError(f"Tool format {fmt.name!r} is already registered.")
-    TOOL_FORMATS[fmt.name] = fmt
-    return fmt
+    return add_unique(TOOL_FORMATS, fmt.name, fmt, "Tool format")
 
 
 def get_tool_format(name: str) -> ToolFormat:

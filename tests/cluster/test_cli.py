@@ -7,7 +7,8 @@ import subprocess
 import sys
 
 import cluster
-from cluster.cli import _user_error_message, main
+from cluster.cli import main
+from registries.errors import UserError, find_user_error
 from registries.datasets.errors import DatasetRowError
 from registries.templates import list_templates
 
@@ -32,11 +33,21 @@ def test_version_is_instant_and_imports_nothing_heavy():
     assert probe.stdout == f"rayfactory {cluster.__version__}\n[]\n"
 
 
-def test_templates_lists_registered_names():
+def test_templates_lists_each_name_with_what_it_is_verified_against():
+    from registries.templates import UNVERIFIED, verification_source
+
     done = rayfactory("templates")
-    assert done.returncode == 0
-    assert done.stdout.splitlines() == list_templates()
-    assert {"default", "empty", "chatml"} <= set(done.stdout.splitlines())
+    assert (done.returncode, done.stderr) == (0, "")
+    lines = done.stdout.splitlines()
+    assert [line.split()[0] for line in lines] == list_templates()
+    shown = {name: rest.strip() for name, rest in (line.split(None, 1) for line in lines)}
+    assert shown == {name: verification_source(name) or UNVERIFIED for name in list_templates()}
+    # the sources start in one column
+    assert len({line.index(shown[line.split()[0]]) for line in lines}) == 1
+    assert shown["llama3"].startswith("trl chat_templates/llama3.jinja") and "(tokens" in shown["llama3"]
+    assert shown["mistral"].startswith("mistral-common")
+    for unverified in ("alpaca", "vicuna", "default", "empty", "chatml"):
+        assert shown[unverified] == "unverified (no independent oracle shipped by a package)"
 
 
 def test_bad_config_exits_2_with_one_paragraph(tmp_path):
@@ -95,8 +106,20 @@ def test_user_errors_raised_inside_ray_tasks_are_unwrapped():
 
     cause = DatasetRowError("demo", "data/demo.json", 3, "output", "column 'output' is a list, expected a string")
     wrapped = RayTaskError("map_batches", "Traceback (most recent call last): ...", cause).as_instanceof_cause()
-    assert _user_error_message(wrapped) == (
+    assert str(find_user_error(wrapped)) == (
         "row 3 of data/demo.json (dataset 'demo'): column 'output' is a list, expected a string. "
         "Fix the row, or set skip_bad_rows: true to drop such rows and report them."
     )
-    assert _user_error_message(RuntimeError("a bug")) is None  # bugs keep their traceback
+    assert find_user_error(RuntimeError("a bug")) is None  # bugs keep their traceback
+
+
+def test_every_user_error_class_shares_one_base():
+    """The CLI, a Serve app and the web UI tell a user mistake from a bug by this one base class."""
+    from cluster.config import ConfigError
+    from registries.datasets.errors import DataConfigError
+    from registries.errors import ArgumentError
+    from stages.adapters import AdapterError
+    from stages.args import TrainingOptionsError
+
+    for cls in (ConfigError, DataConfigError, DatasetRowError, AdapterError, TrainingOptionsError, ArgumentError):
+        assert issubclass(cls, UserError), cls

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 
 import pytest
 import yaml
@@ -14,6 +15,8 @@ from fabric.args import RayArguments
 from registries.datasets.args import DataArguments
 from stages.args import FinetuningArguments, GeneratingArguments, ModelArguments, trainer_fields
 from tests.cluster.conftest import BASE, error_of, write
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 # examples/train_lora/qwen3_lora_sft_ray.yaml from LLaMA-Factory, comments and all, unchanged.
 LF_SFT_LORA = """\
@@ -241,8 +244,12 @@ def test_data_type_errors_come_from_data_arguments_with_the_file():
 
 def test_unknown_stage_suggests_the_closest():
     assert error_of(write("model_name_or_path: m\noutput_dir: o\nstage: sfft\n")) == (
-        "wrong value for 'stage' in cfg.yaml: got 'sfft' (a string), expected one of 'pt', 'sft', 'rm', "
-        "'ppo', 'dpo', 'kto'; did you mean 'sft'?"
+        "invalid stage in cfg.yaml: unknown stage 'sfft'; the stages are pt, sft, rm, dpo, kto, ppo (not yet). "
+        "Did you mean 'sft'?"
+    )
+    # orpo and simpo are objectives inside dpo, and the message says so
+    assert error_of(write("model_name_or_path: m\noutput_dir: o\nstage: orpo\n")).endswith(
+        "(orpo and simpo are pref_loss values of stage dpo.)"
     )
 
 
@@ -390,6 +397,41 @@ def test_ray_address_and_storage_resolution(monkeypatch, tmp_path):
 def test_stage_without_a_runner_is_refused_at_config_time():
     message = error_of(write("model_name_or_path: m\noutput_dir: o\nstage: ppo\nreward_model: rm\n"))
     assert message == (
-        "stage 'ppo' cannot be trained yet; available: pt, sft, rm, dpo, kto (ppo is on the roadmap). "
-        "Change stage in cfg.yaml."
+        "stage 'ppo' cannot be trained yet (PPO with actor, critic, reward and reference as Ray actor groups); "
+        "the stages that can: pt, sft, rm, dpo, kto. Change stage in cfg.yaml."
+    )
+
+
+def test_yaml_1_1_words_stay_words_for_choices_and_mean_booleans_for_flags():
+    """`save_strategy=no` is the word no (PyYAML would read it as False); do_sample=off is false."""
+    cfg = load_config({**BASE, "eval_strategy": "no"}, ["save_strategy=no", "do_sample=off", "packing=yes"])
+    assert (cfg.training.save_strategy, cfg.generating.do_sample, cfg.data.packing) == ("no", False, True)
+    path = write("model_name_or_path: m\noutput_dir: o\nsave_strategy: no\nbf16: off\ntrain_on_prompt: on\n")
+    cfg = load_config(path)
+    assert (cfg.training.save_strategy, cfg.training.bf16, cfg.data.train_on_prompt) == ("no", False, True)
+
+
+def test_llama_factory_ppo_options_are_ignored_with_a_note():
+    cfg = load_config({**BASE, "ppo_epochs": 4, "ppo_target": 6.0})
+    assert "ppo_epochs" not in cfg.resolved()
+    assert any(note.startswith("ignored 'ppo_epochs' from the config dict: stage ppo is not available yet")
+               for note in cfg.notes)
+
+
+@pytest.mark.parametrize("key, value, module, extra", [
+    ("deepspeed", "ds_z2_config.json", "deepspeed", "deepspeed"),
+    ("quantization_bit", 4, "bitsandbytes", "qlora"),
+])
+def test_a_config_needing_a_missing_extra_fails_before_ray(monkeypatch, key, value, module, extra):
+    """Without the package the run would die inside every Ray worker with ModuleNotFoundError."""
+    from cluster.config import ConfigError
+
+    monkeypatch.setitem(sys.modules, module, None)  # how Python spells "this module is not installed"
+    if key == "deepspeed":
+        value = os.path.join(REPO, "configs", "deepspeed", value)
+    with pytest.raises(ConfigError) as err:
+        load_config({**BASE, key: value})
+    assert str(err.value) == (
+        f"{key} in the config dict needs the Python package {module!r}, which is not installed here. "
+        f"Install RayFactory's {extra!r} extra (pip install -e '.[{extra}]' in the RayFactory folder), or remove {key}."
     )

@@ -1,13 +1,14 @@
 """The Ray Data pipeline equals the in-process library, row for row, and tokenized_path reuse works.
 
 Reference side: ``registries.datasets.loading.load_aligned`` (read, align, mix, split) and then the
-stage's ``get_preprocess_fn`` over consecutive windows of ``BATCH_SIZE`` aligned rows. The window
+stage table's ``preprocess_fn`` over consecutive windows of ``BATCH_SIZE`` aligned rows. The window
 is part of the contract: sft packing and pt blocks fill sequences within one window, so the
 pipeline must cut the same windows however Ray happens to cut blocks.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 from collections import Counter
@@ -18,7 +19,6 @@ from cluster.config import load_config
 from fabric.data_pipeline import BATCH_SIZE, prepare_datasets
 from registries.datasets.errors import DataConfigError
 from registries.datasets.loading import load_aligned
-from registries.tokenize import get_preprocess_fn
 from stages.loading import load_tokenizer_and_template
 from tests.e2e.conftest import REPO_ROOT, tiny_sft_config
 
@@ -37,7 +37,7 @@ def prepare(ray_session, tokenizer_and_template, tmp_path):
 
     def run(**overrides):
         cfg = load_config(tiny_sft_config(tmp_path / "out", **overrides))
-        return cfg, prepare_datasets(cfg, *tokenizer_and_template)
+        return cfg, prepare_datasets(cfg.data, cfg.finetuning.spec, cfg.training.seed, *tokenizer_and_template)
 
     return run
 
@@ -56,8 +56,9 @@ def tokenize_windows(aligned: list[dict], preprocess, window: int = BATCH_SIZE) 
 
 
 def in_process(cfg, tokenizer_and_template, window: int = BATCH_SIZE) -> tuple[list[dict], list[dict]]:
-    loaded = load_aligned(cfg.data, cfg.finetuning.stage, cfg.training.seed)
-    preprocess = get_preprocess_fn(cfg.finetuning.stage, *tokenizer_and_template, cfg.data)
+    spec = cfg.finetuning.spec
+    loaded = load_aligned(cfg.data, spec.name, spec.dataset_need, cfg.training.seed)
+    preprocess = spec.preprocess_fn(*tokenizer_and_template, cfg.data)
     return tokenize_windows(loaded.train, preprocess, window), tokenize_windows(loaded.eval, preprocess, window)
 
 
@@ -195,3 +196,80 @@ def test_changed_setting_needs_overwrite_cache_which_tokenizes_again(prepare, ow
     assert rows_of(reused.train) == rows_of(fresh.train)
     assert reused.stats == fresh.stats == {"train_examples": 800, "eval_examples": 0}
     assert len(list((cache / "train").glob("*.parquet"))) == 2
+
+
+def test_cache_made_from_other_data_is_not_reused(prepare, own_data, tmp_path):
+    """Same dataset names, other rows: another dataset_dir, an edited file, or skip_bad_rows."""
+    cache = tmp_path / "tokenized"
+    settings = dict(dataset="arith_train", dataset_dir=str(own_data), tokenized_path=str(cache))
+    prepare(**settings)
+
+    elsewhere = tmp_path / "other_data"
+    shutil.copytree(own_data, elsewhere)
+    with pytest.raises(DataConfigError, match=rf"made with different settings \(dataset_dir: '{own_data}' -> '{elsewhere}'\)"):
+        prepare(**{**settings, "dataset_dir": str(elsewhere)})
+    with pytest.raises(DataConfigError, match=r"different settings \(skip_bad_rows: False -> True\)"):
+        prepare(**settings, skip_bad_rows=True)
+
+    source = own_data / "arith_train.json"
+    rows = json.loads(source.read_text())
+    source.write_text(json.dumps(rows[:100]))  # edited in place: same name, same settings
+    with pytest.raises(DataConfigError) as err:
+        prepare(**settings)
+    assert str(err.value) == (
+        f"tokenized_path {cache} was made from other data: {source} changed since (size or modification time). "
+        "Set overwrite_cache: true to tokenize the current data into it, or point tokenized_path at a new folder."
+    )
+    _, fresh = prepare(**settings, overwrite_cache=True)
+    assert fresh.stats["train_examples"] == 100
+
+
+def test_row_order_does_not_depend_on_a_global_ray_data_setting(prepare, tokenizer_and_template):
+    """The pipeline sets preserve_order for its own datasets; a process whose global DataContext
+    says otherwise (another library, a notebook) still gets the rows in file order."""
+    import ray
+
+    context = ray.data.DataContext.get_current()
+    saved = context.execution_options.preserve_order
+    context.execution_options.preserve_order = False
+    try:
+        # Five datasets concatenated: without ordering, Ray's union hands on their blocks as they
+        # come (seen: the rows of the old pipeline came out in another order here).
+        cfg, prepared = prepare(dataset="tasks_openai,tasks_sharegpt,arith_train,identity,tasks_openai", cutoff_len=256)
+        assert context.execution_options.preserve_order is False  # and no side effect on it
+    finally:
+        context.execution_options.preserve_order = saved
+    train, _ = in_process(cfg, tokenizer_and_template)
+    assert rows_of(prepared.train) == train
+
+
+def test_empty_dataset_file_fails_before_training_naming_it(prepare, own_data):
+    info = json.loads((own_data / "dataset_info.json").read_text())
+    info["empty_one"] = {"file_name": "empty.json"}
+    (own_data / "dataset_info.json").write_text(json.dumps(info))
+    (own_data / "empty.json").write_text("[]")
+    with pytest.raises(DataConfigError) as err:
+        prepare(dataset="arith_train,empty_one", dataset_dir=str(own_data))
+    assert str(err.value) == (
+        f"Dataset 'empty_one' is empty: {own_data / 'empty.json'} (file_name in {own_data / 'dataset_info.json'}) "
+        "holds no rows. Fill it, or remove the dataset from the config."
+    )
+
+
+def test_no_rows_left_after_tokenizing_fails_in_the_driver_with_the_reason(prepare, own_data):
+    """Every row aligned fine, but pt can use none of them (multi-turn chats are not one text):
+    the driver says so instead of Ray Train failing with "No columns in the dataset match the
+    model's forward method signature"."""
+    info = json.loads((own_data / "dataset_info.json").read_text())
+    info["chats"] = {"file_name": "chats.json", "formatting": "sharegpt"}
+    (own_data / "dataset_info.json").write_text(json.dumps(info))
+    turns = [("human", "hi"), ("gpt", "hello"), ("human", "and?"), ("gpt", "bye")]
+    chats = [{"conversations": [{"from": who, "value": f"{text} {i}"} for who, text in turns]} for i in range(6)]
+    (own_data / "chats.json").write_text(json.dumps(chats))
+    with pytest.raises(DataConfigError) as err:
+        prepare(stage="pt", dataset="chats", dataset_dir=str(own_data))
+    assert str(err.value) == (
+        "No training examples are left for stage 'pt' from dataset chats: all 6 aligned rows were dropped "
+        "when tokenizing (rows skipped, by reason, in the first 6: not text: 6). Stage 'pt' trains on one answer "
+        "per prompt (or plain text): use a dataset of such rows."
+    )

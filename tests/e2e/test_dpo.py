@@ -98,6 +98,7 @@ def base_accuracy():
     return pair_accuracy(resolve_model_path("tiny:qwen2"))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("pref_loss", list(LEARNING))
 def test_each_pref_loss_learns_held_out_preferences(ray_session, tmp_path, base_accuracy, pref_loss):
     census_path = str(tmp_path / "census.json")

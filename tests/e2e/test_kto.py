@@ -49,6 +49,7 @@ def pair_scores(model_dir: str) -> tuple[float, float]:
 FULL_STEPS = 1000
 
 
+@pytest.mark.slow
 def test_full_kto_learns_held_out_preferences(ray_session, tmp_path):
     base = resolve_model_path("tiny:qwen2")
     before, before_margin = pair_scores(base)

@@ -90,6 +90,7 @@ STEPS = 600
 RESUME_AT = 580  # a checkpoint 20 steps before the end, resumed from by a second run
 
 
+@pytest.mark.slow
 def test_lora_reward_model_learns_held_out_pairs_and_reloads_identically(ray_session, tmp_path):
     """configs/rm_lora.yaml on far-miss pairs: held-out pair accuracy from chance (the Trainer's
     own evaluation before step 1) to high; the saved adapter + value head reload into a model

@@ -91,6 +91,7 @@ def trainer_eval_loss(model, tokenizer, template, global_batch: int) -> float:
 FULL_SFT = dict(max_steps=800, learning_rate=2e-3, lr_scheduler_type="cosine", warmup_steps=20, logging_steps=10)
 
 
+@pytest.mark.slow
 def test_full_sft_learns_held_out_addition(ray_session, sft_config):
     tokenizer, template = tokenizer_and_template(base_dir())
     before = accuracy(load_model(base_dir()), tokenizer, template)

@@ -16,3 +16,28 @@ def test_sft_run_writes_outputs_and_loss_falls(ray_session, sft_config):
     assert [r["current_steps"] for r in read_log(out) if "loss" in r] == list(range(1, 31))
     assert sum(losses[-5:]) / 5 < 0.5 * sum(losses[:5]) / 5
     assert result.data_stats == {"train_examples": 320, "eval_examples": 0}
+
+
+def test_template_auto_is_resolved_once_and_pinned(ray_session, sft_config, tmp_path):
+    """The driver detects the template once; the workers and the saved config get its name, so a
+    rerun of rayfactory_config.yaml cannot detect something else."""
+    import shutil
+
+    import yaml
+
+    from cluster.config import load_config
+    from registries.models import load_tokenizer, tiny_model_path
+    from registries.templates import get_template
+    from registries.templates.jinja import to_jinja
+
+    model = tmp_path / "model-with-qwen-chat-template"
+    shutil.copytree(tiny_model_path("qwen2"), model)
+    tokenizer = load_tokenizer(str(model))
+    tokenizer.chat_template = to_jinja(get_template("qwen"), tokenizer)
+    tokenizer.save_pretrained(model)
+
+    cfg = load_config(sft_config(model_name_or_path=str(model), template="auto", max_steps=2))
+    result = run_exp(cfg)
+    assert cfg.job_spec().data.template == "qwen"  # the spec every worker was handed
+    with open(os.path.join(result.output_dir, "rayfactory_config.yaml"), encoding="utf-8") as f:
+        assert yaml.safe_load(f)["template"] == "qwen"

@@ -6,6 +6,7 @@ import pytest
 
 from registries.datasets import align_rows, check_stage_fields, get_dataset_attrs, load_dataset_info, read_rows
 from registries.synthetic import check_answer, task_for_prompt
+from stages.table import STAGES
 
 DATA = Path(__file__).resolve().parents[2] / "data"
 COUNTS = {
@@ -31,7 +32,8 @@ def test_every_demo_dataset_is_registered_and_aligns(demo):
 
 @pytest.mark.parametrize("name", list(COUNTS))
 def test_demo_dataset_fits_its_stage(demo, name):
-    check_stage_fields([demo[name][0]], STAGE.get(name, "sft"))
+    stage = STAGE.get(name, "sft")
+    check_stage_fields([demo[name][0]], stage, STAGES[stage].dataset_need)
 
 
 def user_turns(examples):

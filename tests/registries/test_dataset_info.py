@@ -5,6 +5,7 @@ import json
 import pytest
 
 from registries.datasets import DataConfigError, check_stage_fields, get_dataset_attrs
+from stages.table import STAGES
 
 
 @pytest.fixture
@@ -195,14 +196,17 @@ def stage_attrs(write_info):
     return dict(zip(info, get_dataset_attrs(list(info), write_info(info))))
 
 
+NEEDS = {name: spec.dataset_need for name, spec in STAGES.items()}  # the stage table's word
+
+
 @pytest.mark.parametrize("stage,name", [("sft", "plain"), ("pt", "plain"), ("ppo", "plain"), ("rm", "pairs"), ("dpo", "pairs"), ("kto", "rated")])
 def test_stage_accepts_matching_dataset(stage_attrs, stage, name):
-    check_stage_fields([stage_attrs[name]], stage)
+    check_stage_fields([stage_attrs[name]], stage, NEEDS[stage])
 
 
 def test_dpo_rejects_non_ranking_dataset(stage_attrs):
     with pytest.raises(DataConfigError) as err:
-        check_stage_fields([stage_attrs["pairs"], stage_attrs["plain"]], "dpo")
+        check_stage_fields([stage_attrs["pairs"], stage_attrs["plain"]], "dpo", NEEDS["dpo"])
     assert str(err.value) == (
         "Stage 'dpo' trains on preference pairs, but dataset 'plain' (in data/dataset_info.json) is not a ranking "
         "dataset: it lacks \"ranking\": true and the columns \"chosen\" and \"rejected\". Use a ranking dataset or add them."
@@ -211,12 +215,12 @@ def test_dpo_rejects_non_ranking_dataset(stage_attrs):
 
 def test_rm_rejects_non_ranking_dataset(stage_attrs):
     with pytest.raises(DataConfigError, match=r"^Stage 'rm' trains on preference pairs, but dataset 'rated'"):
-        check_stage_fields([stage_attrs["rated"]], "rm")
+        check_stage_fields([stage_attrs["rated"]], "rm", NEEDS["rm"])
 
 
 def test_kto_rejects_dataset_without_kto_tag(stage_attrs):
     with pytest.raises(DataConfigError) as err:
-        check_stage_fields([stage_attrs["plain"]], "kto")
+        check_stage_fields([stage_attrs["plain"]], "kto", NEEDS["kto"])
     assert str(err.value).startswith(
         "Stage 'kto' needs a true/false label per answer, but dataset 'plain' (in data/dataset_info.json) has no kto_tag column."
     )
@@ -224,17 +228,17 @@ def test_kto_rejects_dataset_without_kto_tag(stage_attrs):
 
 def test_kto_rejects_ranking_dataset(stage_attrs):
     with pytest.raises(DataConfigError, match=r"^Stage 'kto' needs a true/false label per answer, but dataset 'pairs'"):
-        check_stage_fields([stage_attrs["pairs"]], "kto")
+        check_stage_fields([stage_attrs["pairs"]], "kto", NEEDS["kto"])
 
 
 def test_sft_rejects_ranking_dataset(stage_attrs):
     with pytest.raises(DataConfigError, match=r"^Stage 'sft' takes one answer per prompt, but dataset 'pairs' .* is a ranking dataset"):
-        check_stage_fields([stage_attrs["pairs"]], "sft")
+        check_stage_fields([stage_attrs["pairs"]], "sft", NEEDS["sft"])
 
 
 def test_sft_rejects_kto_dataset(stage_attrs):
     with pytest.raises(DataConfigError, match=r"^Stage 'sft' would train on every answer, but dataset 'rated' .* has a kto_tag column"):
-        check_stage_fields([stage_attrs["rated"]], "sft")
+        check_stage_fields([stage_attrs["rated"]], "sft", NEEDS["sft"])
 
 
 def test_error_alpaca_kto_without_response_column(write_info):

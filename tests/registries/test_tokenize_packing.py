@@ -3,7 +3,7 @@ from collections import Counter
 import pytest
 from test_tokenize_common import assistant, batch_of, chatml_reply, chatml_setup, chatml_user, data_args, user
 
-from registries.tokenize import IGNORE_INDEX, get_preprocess_fn, greedy_knapsack, pack_examples
+from registries.tokenize import IGNORE_INDEX, get_preprocess_fn, greedy_knapsack, pack_examples, resolve_packing
 
 M = IGNORE_INDEX
 
@@ -43,7 +43,7 @@ def test_sft_packing_packs_whole_conversations_within_cutoff():
     rows = [conversation("a", "b"), conversation("hi", "yo"), conversation("xyz", "w")]
     rows.append({"_prompt": [user("p")], "_response": []})
     stats = Counter()
-    fn = get_preprocess_fn("sft", tokenizer, template, data_args(cutoff_len=50, packing=True, train_on_prompt=True))
+    fn = get_preprocess_fn("supervised", tokenizer, template, data_args(cutoff_len=50, train_on_prompt=True), packing=True)
     out = fn.func(batch_of(*rows), stats=stats, **fn.keywords)
     first, second, third = (chatml_user(p) + chatml_reply(r) for p, r in [("a", "b"), ("hi", "yo"), ("xyz", "w")])
     # lengths 23, 25, 25 -> bins [third, second] (50 tokens) and [first]
@@ -56,7 +56,8 @@ def test_sft_packing_packs_whole_conversations_within_cutoff():
 def test_sft_neat_packing_numbers_the_conversations():
     tokenizer, template = chatml_setup()
     rows = [conversation("a", "b"), conversation("hi", "yo"), conversation("xyz", "w")]
-    out = get_preprocess_fn("sft", tokenizer, template, data_args(cutoff_len=50, neat_packing=True))(batch_of(*rows))
+    args = data_args(cutoff_len=50, neat_packing=True)
+    out = get_preprocess_fn("supervised", tokenizer, template, args, packing=resolve_packing(args, False))(batch_of(*rows))
     assert out["attention_mask"] == [[1] * 25 + [2] * 25, [1] * 23]
     second_labels = [M] * 21 + chatml_reply("yo")
     assert out["labels"][0][25:] == second_labels  # prompt labels are masked anyway

@@ -6,7 +6,7 @@ import pytest
 from test_tokenize_common import BOS, EOS, b, batch_of, byte_tokenizer, data_args, default_setup, user
 
 from registries.templates import get_template
-from registries.tokenize import get_preprocess_fn, preprocess_pretrain
+from registries.tokenize import get_preprocess_fn, preprocess_pretrain, resolve_packing
 
 
 def texts(*docs):
@@ -14,7 +14,8 @@ def texts(*docs):
 
 
 def run(tokenizer, template, batch, stats=None, **args):
-    fn = get_preprocess_fn("pt", tokenizer, template, data_args(**args))
+    options = data_args(**args)
+    fn = get_preprocess_fn("pretrain", tokenizer, template, options, packing=resolve_packing(options, default=True))
     out = fn.func(batch, stats=stats, **fn.keywords)
     assert out["labels"] == out["input_ids"]
     assert out["attention_mask"] == [[1] * len(ids) for ids in out["input_ids"]]

@@ -9,8 +9,8 @@ from stages.collators import (
     NeatPackingCollator,
     PaddingCollator,
     PairwiseCollator,
-    build_collator,
 )
+from stages.table import STAGES
 
 M = -100
 
@@ -169,22 +169,22 @@ class NeatArgs:
     neat_packing = True
 
 
-def test_build_collator_per_stage():
+def test_each_stage_gets_its_collator_from_the_table():
     tokenizer = tiny_tokenizer()
     expect = {
         "pt": (PaddingCollator, "right"), "sft": (PaddingCollator, "right"), "rm": (PairwiseCollator, "right"),
         "dpo": (PairwiseCollator, "right"), "kto": (KTOCollator, "right"), "ppo": (PaddingCollator, "left"),
-        "predict": (PaddingCollator, "left"),
     }
+    assert set(expect) == set(STAGES)  # a new stage must say which collator it gets
     for stage, (cls, side) in expect.items():
-        collator = build_collator(stage, tokenizer, Args())
+        collator = STAGES[stage].load_collator_factory()(tokenizer, Args())
         assert type(collator) is cls and collator.padding_side == side and collator.pad_token_id == 0, stage
     model = LlamaForCausalLM(LlamaConfig(vocab_size=8, hidden_size=8, intermediate_size=8, num_hidden_layers=1,
                                          num_attention_heads=2, attn_implementation="sdpa")).to(torch.bfloat16)
-    neat = build_collator("sft", tokenizer, NeatArgs(), model)
+    neat = STAGES["sft"].load_collator_factory()(tokenizer, NeatArgs(), model)
     assert type(neat) is NeatPackingCollator and neat.dtype == torch.bfloat16 and neat.four_d_mask
-    with pytest.raises(ValueError, match="No collator for stage 'orpo'"):
-        build_collator("orpo", tokenizer, Args())
+    # neat_packing is an sft option: pt's packed blocks keep plain padding
+    assert type(STAGES["pt"].load_collator_factory()(tokenizer, NeatArgs(), model)) is PaddingCollator
 
 
 def test_tokenizer_without_pad_token_is_a_clear_error():

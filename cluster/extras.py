@@ -1,0 +1,36 @@
+"""Optional dependencies a config turns on, checked on the driver before Ray starts.
+
+Without this check, a LLaMA-Factory YAML with ``deepspeed:`` on an install without DeepSpeed (the
+quickstart's) would die inside every Ray worker with ``No module named 'deepspeed'``.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from typing import Callable
+
+from .config_types import ConfigError
+
+# option -> (module it imports, pyproject extra that installs it)
+EXTRAS = {
+    "deepspeed": ("deepspeed", "deepspeed"),
+    "quantization_bit": ("bitsandbytes", "qlora"),
+}
+
+
+def installed(module: str) -> bool:
+    try:
+        return importlib.util.find_spec(module) is not None
+    except (ImportError, ValueError):  # a broken install, or a module blocked in sys.modules
+        return False
+
+
+def check_extras(options: dict[str, object], where: Callable[[str], str]) -> None:
+    """``options``: the config's values by key; ``where(key)`` names the file or override that set it."""
+    for key, (module, extra) in EXTRAS.items():
+        if options.get(key) and not installed(module):
+            raise ConfigError(
+                f"{key} in {where(key)} needs the Python package {module!r}, which is not installed here. "
+                f"Install RayFactory's {extra!r} extra (pip install -e '.[{extra}]' in the RayFactory folder), "
+                f"or remove {key}."
+            )
