@@ -42,6 +42,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     train.add_argument("config", help="path of the YAML config file")
     train.add_argument("overrides", nargs="*", metavar="key=value", help="override config keys, e.g. lora_rank=16")
+    train.add_argument("--verbose", action="store_true",
+                       help="show Ray's, the workers' and the libraries' output here (otherwise it goes to "
+                            "output_dir/rayfactory.log)")
     train.set_defaults(handler=_train)
 
     env = commands.add_parser("env", help="show package versions and what Ray sees")
@@ -69,14 +72,20 @@ def _stages_help() -> str:
 def _train(args: argparse.Namespace) -> int:
     from .config import load_config
 
+    console = None
     try:
         config = load_config(args.config, args.overrides)  # parse first: a typo fails before Ray starts
-        from .driver import run_exp  # prints the config's notes
+        from .console import Console
+        from .driver import run_exp
 
-        run_exp(config)
+        console = Console(config.training.output_dir, verbose=args.verbose)
+        with console:  # the terminal back before any error is printed
+            run_exp(config, console=console)
     except Exception as exc:  # noqa: BLE001 (only user errors are caught; the rest re-raises)
         mistake = find_user_error(exc)
         if mistake is None:
+            if console is not None and console.log_path:
+                print(f"rayfactory: the run failed; its full output is in {console.log_path}", file=sys.stderr)
             raise
         print(f"rayfactory: error: {mistake}", file=sys.stderr)
         return USER_ERROR_EXIT

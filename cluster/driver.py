@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from typing import Any, Iterable, Optional
 
 from .config import ConfigError, RunConfig, load_config
+from .console import Console
 
 logger = logging.getLogger(__name__)
 
@@ -25,10 +26,13 @@ def run_exp(
     config: "RunConfig | dict | str | None" = None,
     overrides: Iterable[str] = (),
     callbacks: Iterable[Any] = (),
+    console: Optional[Console] = None,
 ) -> RunResult:
     """Run one training job. ``callbacks`` are extra ``transformers.TrainerCallback`` objects
-    shipped to every worker (the Python API's hook; the YAML has no such key)."""
+    shipped to every worker (the Python API's hook; the YAML has no such key). ``console`` shows
+    the plan, progress and summary (the CLI passes one that also owns the run's log file)."""
     cfg = config if isinstance(config, RunConfig) else load_config(config, list(overrides))
+    console = console or Console()
 
     from fabric.data_pipeline import check_data, prepare_datasets
     from fabric.launcher import launch_training
@@ -36,8 +40,6 @@ def run_exp(
     from stages.loading import check_model_fits
 
     output_dir = cfg.training.output_dir
-    for note in cfg.notes:
-        print(f"[rayfactory] note: {note}", flush=True)
 
     # Mistakes that need no cluster fail before Ray starts: model path, template, datasets.
     # Model facts are resolved once, here: the driver tokenizes (through Ray Data) with this
@@ -49,14 +51,15 @@ def run_exp(
     check_data(cfg.data, spec.stage)
     os.makedirs(output_dir, exist_ok=True)
     cfg.write_yaml()  # the resolved config, so the run can be repeated exactly
+    console.plan(cfg)
     resources = connect(cfg.ray)
     _check_resources(cfg, resources)
     data = prepare_datasets(cfg.data, spec.stage, cfg.training.seed, tokenizer, template)
-    result = launch_training(spec, cfg.ray, data.train, data.eval, callbacks)
+    result = launch_training(spec, cfg.ray, data.train, data.eval, callbacks, progress=console.progress)
     if result.error is not None:
         raise result.error
     checkpoint = result.checkpoint.path if result.checkpoint is not None else None
-    print(f"[rayfactory] done: outputs in {os.path.abspath(output_dir)}", flush=True)
+    console.summary(result, os.path.abspath(output_dir))
     return RunResult(os.path.abspath(output_dir), dict(result.metrics or {}), checkpoint, data.stats)
 
 

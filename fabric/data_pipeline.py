@@ -3,6 +3,8 @@
 The registries do the work (pure functions over column batches, seeded index plans for mixing
 and splitting); this module only decides where it runs. Rows keep their file order end to end,
 so the result equals running the same functions in one process (tests/e2e/test_data_pipeline.py).
+What the user should read (data ready, bad rows skipped, a reused tokenized_path) is logged at
+INFO or above: the CLI's console shows this package's records.
 """
 
 from __future__ import annotations
@@ -76,8 +78,7 @@ def prepare_datasets(data_args: DataArguments, stage: StageSpec, seed: int, toke
         started = time.time()
         train, evaluation = _tokenized_splits(data_args, stage, seed, tokenizer, template)
     stats = {"train_examples": train.count(), "eval_examples": evaluation.count() if evaluation else 0}
-    logger.info("preprocessing done in %.1fs: %s", time.time() - started, stats)
-    print(f"[rayfactory] data ready in {time.time() - started:.1f}s: {stats}", flush=True)
+    logger.info("data ready in %.1fs: %s", time.time() - started, stats)
     if data_args.tokenized_path:
         _save_cache(data_args.tokenized_path, train, evaluation, fingerprint)
     return PreparedData(train, evaluation, stats)
@@ -156,7 +157,7 @@ def _aligned(attr, data_args: DataArguments, seed: int) -> "ray.data.Dataset":
                     f"Dataset {attr.name!r}: all {total} rows were bad and skipped, e.g. {rows[0]['_error']}. "
                     f"Check its entry in {attr.info_path} (formatting, columns, tags)."
                 )
-            print(f"[rayfactory] dataset {attr.name!r}: {_skipped_summary(rows, bad.count(), total)}", flush=True)
+            logger.warning("dataset %r: %s", attr.name, _skipped_summary(rows, bad.count(), total))
     return raw.map_batches(
         functools.partial(_align_block, attr=attr, skip_bad_rows=data_args.skip_bad_rows), batch_format="pyarrow"
     )
@@ -340,7 +341,7 @@ def _save_cache(path: str, train, evaluation, fingerprint: dict) -> None:
         evaluation.write_parquet(os.path.join(path, "eval"))
     with open(os.path.join(path, _META), "w", encoding="utf-8") as f:
         json.dump(fingerprint, f, indent=2)
-    print(f"[rayfactory] tokenized data saved to {path}; later runs reuse it", flush=True)
+    logger.info("tokenized data saved to %s; later runs reuse it", path)
 
 
 def _load_cache(path: str, fingerprint: dict) -> PreparedData:
@@ -355,7 +356,7 @@ def _load_cache(path: str, fingerprint: dict) -> PreparedData:
         )
     files = fingerprint["files"]
     if files is None:
-        print(f"[rayfactory] note: the source data is not here; reusing {path} as it was saved", flush=True)
+        logger.warning("the source data is not here; reusing %s as it was saved", path)
     elif files != saved.get("files"):
         was = saved.get("files") or {}
         edited = [f for f in files if was.get(f) != files[f]] + [f for f in was if f not in files]
@@ -369,5 +370,5 @@ def _load_cache(path: str, fingerprint: dict) -> PreparedData:
     evaluation = ray.data.read_parquet(eval_dir) if os.path.isdir(eval_dir) else None
     train, evaluation = train.materialize(), evaluation.materialize() if evaluation is not None else None
     stats = {"train_examples": train.count(), "eval_examples": evaluation.count() if evaluation else 0}
-    print(f"[rayfactory] reusing tokenized data from {path}: {stats}", flush=True)
+    logger.info("reusing tokenized data from %s: %s", path, stats)
     return PreparedData(train, evaluation, stats)

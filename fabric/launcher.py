@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import TYPE_CHECKING, Iterable
+from typing import TYPE_CHECKING, Callable, Iterable
 
 from ray.train import CheckpointConfig, DataConfig, FailureConfig, RunConfig, ScalingConfig
 from ray.train.torch import TorchConfig, TorchTrainer
@@ -12,6 +12,7 @@ from ray.train.torch import TorchConfig, TorchTrainer
 from stages.job import JobSpec
 
 from .args import RayArguments
+from .progress import ProgressRelay
 from .worker import WorkerPayload, train_loop
 
 if TYPE_CHECKING:
@@ -23,11 +24,15 @@ logger = logging.getLogger(__name__)
 
 def launch_training(
     spec: JobSpec, ray_args: RayArguments, train_ds: "ray.data.Dataset", eval_ds: "ray.data.Dataset | None" = None,
-    callbacks: Iterable["TrainerCallback"] = (),
+    callbacks: Iterable["TrainerCallback"] = (), progress: Callable[[dict], None] | None = None,
 ) -> "ray.train.Result":
-    """Fit on ``ray_num_workers`` workers; the result carries the final metrics and checkpoint."""
+    """Fit on ``ray_num_workers`` workers; the result carries the final metrics and checkpoint.
+    ``progress``, if given, is called on the driver with each of rank 0's Trainer log records."""
     training = spec.training
-    payload = WorkerPayload(spec, has_eval=eval_ds is not None, use_cpu=not ray_args.uses_gpu, callbacks=list(callbacks))
+    relay = ProgressRelay(progress)
+    payload = WorkerPayload(
+        spec, has_eval=eval_ds is not None, use_cpu=not ray_args.uses_gpu, callbacks=[*callbacks, *relay.callbacks]
+    )
     datasets = {"train": train_ds} | ({"eval": eval_ds} if eval_ds is not None else {})
     trainer = TorchTrainer(
         train_loop_per_worker=train_loop,
@@ -50,7 +55,9 @@ def launch_training(
             checkpoint_config=CheckpointConfig(num_to_keep=training.save_total_limit),
         ),
     )
-    return trainer.fit()
+    logger.info("starting %d Ray Train workers", ray_args.ray_num_workers)  # they load the model: seconds
+    with relay:
+        return trainer.fit()
 
 
 def _ordered_ingest():

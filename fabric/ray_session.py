@@ -17,6 +17,10 @@ _REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # (2 s by default); with a checkpoint every few steps that dominates small runs.
 WORKER_ENV = {
     "RAY_TRAIN_HEALTH_CHECK_INTERVAL_S": "0.1",
+    # Ray Train replaces print() in its workers with one that logs every call at INFO and, when
+    # sys.stdout is swapped out (contextlib.redirect_stdout, dill's capture), also prints it: so
+    # captured text leaks to the log and library prints (trainer.log_metrics) come out twice.
+    "RAY_TRAIN_ENABLE_PRINT_PATCH": "0",
     "TOKENIZERS_PARALLELISM": "false",
 }
 
@@ -35,12 +39,26 @@ def connect(ray_args: RayArguments) -> dict:
             env_vars.setdefault("PYTHONPATH", _REPO_ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
             kwargs.setdefault("num_cpus", local_cpu_count(ray_args))
             kwargs.setdefault("include_dashboard", False)
+            if not kwargs["include_dashboard"]:
+                runtime_env.setdefault("worker_process_setup_hook", quiet_state_api_pollers)
         runtime_env["env_vars"] = env_vars
+        # Every worker's and actor's output comes to this process's stdout/stderr: the CLI sends
+        # those to the run's log file (cluster/console.py), so nothing a worker says is lost.
         ray.init(address=address, runtime_env=runtime_env, log_to_driver=True, **kwargs)
     quiet_ray_data()
     resources = ray.cluster_resources()
-    logger.info("Ray resources: %s", {k: v for k, v in resources.items() if not k.startswith("node:")})
+    logger.debug("Ray resources: %s", {k: v for k, v in resources.items() if not k.startswith("node:")})
     return resources
+
+
+def quiet_state_api_pollers() -> None:
+    """The worker_process_setup_hook of a local Ray started without its dashboard.
+
+    Ray Train's PlacementGroupCleaner asks the State API, which the dashboard serves, every second
+    whether the Train controller still lives, and logs a warning each time it gets no answer. Here
+    it never can; and the placement groups it guards end with the local Ray this driver owns.
+    """
+    logging.getLogger("ray.train.v2._internal.execution.controller.placement_group_cleaner").setLevel(logging.ERROR)
 
 
 def local_cpu_count(ray_args: RayArguments) -> int:

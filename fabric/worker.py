@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import uuid
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Optional
 
@@ -69,7 +70,12 @@ def shard_to_hf_dataset(name: str):
 
     shard = ray.train.get_dataset_shard(name)
     tables = [batch for batch in shard.iter_batches(batch_size=4096, batch_format="pyarrow")]
-    return datasets.Dataset(pa.concat_tables(tables)) if tables else datasets.Dataset.from_dict({})
+    if not tables:
+        return datasets.Dataset.from_dict({})
+    # Our own fingerprint: without one, datasets hashes the whole table, pickling every column
+    # with dill (slow for large data; dill also disassembles the reducer it pickles, printing
+    # under a swapped stdout).
+    return datasets.Dataset(pa.concat_tables(tables), fingerprint=f"ray-{name}-{uuid.uuid4().hex}")
 
 
 def _report_callback():

@@ -84,6 +84,13 @@ class StageJob:
         """`trainer_class` on this worker's data, logging to trainer_log.jsonl, handed to the fabric's hook."""
         from .callbacks import JsonlLogCallback
 
+        if self.training_args.ddp_find_unused_parameters is None and _is_peft_model(model):
+            # transformers assumes unused parameters in any model that is not a PreTrainedModel (a
+            # PeftModel is not): DDP then walks the autograd graph again every step, and warns on
+            # every rank that it found none. Every adapter and modules_to_save parameter is in the
+            # loss of the stages that train a PeftModel directly (LLaMA-Factory sets it likewise).
+            # (rm wraps its PeftModel in a value-head model, whose unused lm_head keeps the default.)
+            self.training_args.ddp_find_unused_parameters = False
         trainer = trainer_class(
             model=model,
             args=self.training_args,
@@ -103,3 +110,9 @@ class StageJob:
 
         result = trainer.train(resume_from_checkpoint=self.resume_from_checkpoint)
         return save_outputs(trainer, tokenizer, template, result, self.spec.finetuning)
+
+
+def _is_peft_model(model) -> bool:
+    from peft import PeftModel
+
+    return isinstance(model, PeftModel)

@@ -9,6 +9,7 @@ pipeline must cut the same windows however Ray happens to cut blocks.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import shutil
 from collections import Counter
@@ -147,19 +148,22 @@ def own_data(tmp_path):
     return folder
 
 
-def test_tokenized_path_is_reused_without_the_source_data(prepare, own_data, tmp_path, sft_config, capsys):
+def test_tokenized_path_is_reused_without_the_source_data(prepare, own_data, tmp_path, sft_config, caplog):
     from cluster.driver import run_exp
     from stages.callbacks import read_log
 
+    caplog.set_level(logging.INFO, logger="fabric")  # what the CLI's console shows
     cache = tmp_path / "tokenized"
     settings = dict(dataset="arith_train", dataset_dir=str(own_data), tokenized_path=str(cache), val_size=16)
     _, first = prepare(**settings)
-    assert "tokenized data saved to" in capsys.readouterr().out
+    assert "tokenized data saved to" in caplog.text
     assert (cache / "rayfactory_tokenized.json").is_file() and list((cache / "train").glob("*.parquet"))
 
     (own_data / "arith_train.json").rename(own_data / "arith_train.json.moved")  # tokenizing would now fail
+    caplog.clear()
     _, second = prepare(**settings)
-    out = capsys.readouterr().out
+    out = caplog.text
+    assert f"the source data is not here; reusing {cache} as it was saved" in out
     assert f"reusing tokenized data from {cache}: {{'train_examples': 304, 'eval_examples': 16}}" in out
     assert "data ready" not in out  # nothing was tokenized
     assert (rows_of(second.train), rows_of(second.eval)) == (rows_of(first.train), rows_of(first.eval))
@@ -170,7 +174,8 @@ def test_tokenized_path_is_reused_without_the_source_data(prepare, own_data, tmp
     assert [r["current_steps"] for r in read_log(result.output_dir) if "loss" in r] == [1, 2]
 
 
-def test_changed_setting_needs_overwrite_cache_which_tokenizes_again(prepare, own_data, tmp_path, capsys):
+def test_changed_setting_needs_overwrite_cache_which_tokenizes_again(prepare, own_data, tmp_path, caplog):
+    caplog.set_level(logging.INFO, logger="fabric")
     cache = tmp_path / "tokenized"
     # 800 rows: two blocks, so the cache holds two parquet files that must be read back in order.
     settings = dict(dataset="tasks_openai,tasks_sharegpt", dataset_dir=str(own_data), tokenized_path=str(cache))
@@ -187,9 +192,9 @@ def test_changed_setting_needs_overwrite_cache_which_tokenizes_again(prepare, ow
         "overwrite_cache: true to tokenize again into it, or point tokenized_path at a new folder."
     )
 
-    capsys.readouterr()
+    caplog.clear()
     _, fresh = prepare(**settings, cutoff_len=64, overwrite_cache=True)
-    assert "data ready" in capsys.readouterr().out  # tokenized again
+    assert "data ready" in caplog.text  # tokenized again
     assert max(len(r["input_ids"]) for r in rows_of(fresh.train)) <= 64
     # The folder now holds only the new rows (Ray's write_parquet would append to the old files).
     _, reused = prepare(**settings, cutoff_len=64)

@@ -3,9 +3,9 @@
 Each case runs ``.venv/bin/rayfactory train cfg.yaml`` as a subprocess in a fresh folder with its
 own small dataset_dir. Mistakes that need no cluster (unknown names, a missing model, a dataset
 that cannot serve the stage) must fail before Ray starts: those runs get ``RAY_ADDRESS=""``, so a
-regression would start a local Ray and print "Started a local Ray instance". Mistakes found by Ray
-(a bad row inside a Ray Data task, too few CPUs) join the test session's Ray instead of starting
-one per case (~15 s each on 2 cores).
+regression would start a local Ray, which logs "Started a local Ray instance" (to the run's
+rayfactory.log). Mistakes found by Ray (a bad row inside a Ray Data task, too few CPUs) join the
+test session's Ray instead of starting one per case (~15 s each on 2 cores).
 """
 
 from __future__ import annotations
@@ -67,6 +67,12 @@ def rayfactory_train(folder, ray_address: str = "", timeout: int = 300) -> subpr
     )
 
 
+def started_local_ray(folder, done: subprocess.CompletedProcess) -> bool:
+    """Ray says so in the run's log file (on the console only with --verbose)."""
+    log = folder / "out" / "rayfactory.log"
+    return LOCAL_RAY_STARTED in done.stdout + done.stderr + (log.read_text() if log.exists() else "")
+
+
 def error_paragraph(done: subprocess.CompletedProcess) -> str:
     """The one error line, after checking the rest of the contract (exit 2, no traceback)."""
     assert done.returncode == 2, done.stdout[-3000:] + done.stderr[-3000:]
@@ -116,7 +122,7 @@ def test_dpo_on_single_answer_data_fails_before_ray_starts(tmp_path):
         "is not a ranking dataset: it lacks \"ranking\": true and the columns \"chosen\" and \"rejected\". "
         "Use a ranking dataset or add them."
     )
-    assert LOCAL_RAY_STARTED not in done.stderr + done.stdout
+    assert not started_local_ray(tmp_path, done)
 
 
 @pytest.mark.parametrize(
@@ -159,7 +165,7 @@ def test_config_mistakes_fail_before_ray_starts(tmp_path, overrides, expected):
     done = rayfactory_train(tmp_path)
     message = error_paragraph(done)
     assert message.startswith(expected.format(tmp=tmp_path, data=tmp_path / "data")), message
-    assert LOCAL_RAY_STARTED not in done.stderr + done.stdout
+    assert not started_local_ray(tmp_path, done)
 
 
 def test_more_workers_than_cluster_cpus_fails_fast(tmp_path, ray_session, session_address):
@@ -186,7 +192,8 @@ def test_changed_setting_on_reused_tokenized_path_exits_2(tmp_path, session_addr
     write_config(tmp_path, tokenized_path="tok", skip_bad_rows=True)
     monkeypatch.chdir(tmp_path)  # the config's relative paths, as the CLI resolves them
     cfg = load_config("cfg.yaml")
-    prepare_datasets(cfg, *load_tokenizer_and_template(cfg.model, cfg.data))  # the first run's tokenizing
+    tokenizer, template = load_tokenizer_and_template(cfg.model, cfg.data)
+    prepare_datasets(cfg.data, cfg.finetuning.spec, cfg.training.seed, tokenizer, template)  # the first run's tokenizing
     write_config(tmp_path, tokenized_path="tok", skip_bad_rows=True, cutoff_len=32)
     message = error_paragraph(rayfactory_train(tmp_path, session_address))
     assert message == (

@@ -1,0 +1,86 @@
+"""Rank 0's Trainer log records, carried to the driver while ``trainer.fit()`` blocks it.
+
+Ray Train hands the driver nothing until the run ends (``ray.train.report`` goes to its
+controller, and only at checkpoints). So a small actor keeps the records: rank 0's callback
+sends each one without waiting for an answer, and a driver thread collects them twice a second
+for whatever shows progress there (the CLI's progress bar).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+
+import ray
+from transformers import TrainerCallback
+
+logger = logging.getLogger(__name__)
+
+
+@ray.remote(num_cpus=0)
+class _Mailbox:
+    def __init__(self):
+        self._records: list[dict] = []
+
+    def put(self, record: dict) -> None:
+        self._records.append(record)
+
+    def take(self) -> list[dict]:
+        records, self._records = self._records, []
+        return records
+
+
+class RelayCallback(TrainerCallback):
+    """On every rank (shipped in the worker payload); only the world's rank 0 sends."""
+
+    def __init__(self, mailbox):
+        self.mailbox = mailbox
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        self._send(state, {"event": "begin"})
+
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        self._send(state, {"event": "log", **(logs or {})})
+
+    def _send(self, state, record: dict) -> None:
+        if state.is_world_process_zero:
+            # Fire and forget: calls from one caller run in order, and training never waits on the driver.
+            self.mailbox.put.remote({"step": state.global_step, "max_steps": state.max_steps, **record})
+
+
+class ProgressRelay:
+    """``with ProgressRelay(on_record) as relay:`` around ``fit()``; ship ``relay.callbacks`` to the
+    workers. ``on_record=None`` relays nothing (no actor, no thread)."""
+
+    def __init__(self, on_record=None, interval_s: float = 0.5):
+        self.on_record = on_record
+        self.interval_s = interval_s
+        self._mailbox = _Mailbox.remote() if on_record is not None else None
+        self.callbacks = [RelayCallback(self._mailbox)] if on_record is not None else []
+        self._stop = threading.Event()
+        self._thread = None
+
+    def __enter__(self) -> "ProgressRelay":
+        if self._mailbox is not None:
+            self._thread = threading.Thread(target=self._pump, name="rayfactory-progress", daemon=True)
+            self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self._mailbox is None:
+            return
+        self._stop.set()
+        self._thread.join()
+        self._deliver()  # what arrived since the last collection
+        ray.kill(self._mailbox)
+
+    def _pump(self) -> None:
+        while not self._stop.wait(self.interval_s):
+            self._deliver()
+
+    def _deliver(self) -> None:
+        try:
+            for record in ray.get(self._mailbox.take.remote()):
+                self.on_record(record)
+        except Exception:  # noqa: BLE001 (showing progress must never stop a run)
+            logger.debug("progress relay failed", exc_info=True)
