@@ -12,8 +12,8 @@ warnings). The console writes to copies of the terminal's descriptors. With ``ve
 is redirected: the terminal shows everything, as plain Ray does, and the log file gets the
 driver's log records only.
 
-A Console that is never entered (``run_exp`` from Python) only prints: no log file, no
-redirection, logging left as the caller configured it.
+A Console that is never entered (``run_exp`` from Python) only prints the plan and the summary:
+no progress bar, no log file, no redirection, logging left as the caller configured it.
 """
 
 from __future__ import annotations
@@ -73,6 +73,12 @@ class Console:
             self.say(f"  log       {self.log_path}{hint}")
         for note in cfg.notes:
             self.say(f"[rayfactory] note: {note}")
+
+    def progress_sink(self):
+        """Where rank 0's log records should go: the bar of an entered console (the CLI's). The
+        relay costs a few seconds a run (an actor, a call per log line), which a caller of
+        ``run_exp`` from Python, who reads trainer_log.jsonl and the result, is not asked to pay."""
+        return self.progress if self.log_path is not None else None
 
     def progress(self, record: dict) -> None:
         """One of rank 0's Trainer log records (fabric.progress): the bar, or an eval line."""

@@ -55,7 +55,7 @@ def run_exp(
     resources = connect(cfg.ray)
     _check_resources(cfg, resources)
     data = prepare_datasets(cfg.data, spec.stage, cfg.training.seed, tokenizer, template)
-    result = launch_training(spec, cfg.ray, data.train, data.eval, callbacks, progress=console.progress)
+    result = launch_training(spec, cfg.ray, data.train, data.eval, callbacks, progress=console.progress_sink())
     if result.error is not None:
         raise result.error
     checkpoint = result.checkpoint.path if result.checkpoint is not None else None

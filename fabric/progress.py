@@ -14,20 +14,9 @@ import threading
 import ray
 from transformers import TrainerCallback
 
+from .mailbox import Mailbox
+
 logger = logging.getLogger(__name__)
-
-
-@ray.remote(num_cpus=0)
-class _Mailbox:
-    def __init__(self):
-        self._records: list[dict] = []
-
-    def put(self, record: dict) -> None:
-        self._records.append(record)
-
-    def take(self) -> list[dict]:
-        records, self._records = self._records, []
-        return records
 
 
 class RelayCallback(TrainerCallback):
@@ -55,7 +44,7 @@ class ProgressRelay:
     def __init__(self, on_record=None, interval_s: float = 0.5):
         self.on_record = on_record
         self.interval_s = interval_s
-        self._mailbox = _Mailbox.remote() if on_record is not None else None
+        self._mailbox = Mailbox.remote() if on_record is not None else None
         self.callbacks = [RelayCallback(self._mailbox)] if on_record is not None else []
         self._stop = threading.Event()
         self._thread = None
