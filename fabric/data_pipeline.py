@@ -57,12 +57,22 @@ def check_data(data_args: DataArguments, stage: StageSpec) -> None:
             "Data arguments: dataset is not set, so there is nothing to train on. Set dataset to one or more "
             f"names from {os.path.join(data_args.dataset_dir, 'dataset_info.json')}, e.g. dataset: arith_train."
         )
-    attrs = get_dataset_attrs(data_args.dataset, data_args.dataset_dir)
-    attrs += get_dataset_attrs(data_args.eval_dataset, data_args.dataset_dir)
-    check_stage_fields(attrs, stage.name, stage.dataset_need)
-    for attr in attrs:
-        if attr.load_from == "file":
-            data_files(attr)  # names the missing file or folder
+    check_stage_fields(_all_attrs(data_args), stage.name, stage.dataset_need)
+    _source_paths(data_args)  # names a missing file or folder
+
+
+def _all_attrs(data_args: DataArguments) -> list:
+    return get_dataset_attrs(data_args.dataset, data_args.dataset_dir) + get_dataset_attrs(
+        data_args.eval_dataset, data_args.dataset_dir
+    )
+
+
+def _source_paths(data_args: DataArguments) -> set[str]:
+    """dataset_info.json and every file the datasets read; DataConfigError naming one that is missing."""
+    attrs = _all_attrs(data_args)
+    paths = {attr.info_path for attr in attrs}
+    paths.update(path for attr in attrs if attr.load_from == "file" for path in data_files(attr))
+    return paths
 
 
 def prepare_datasets(data_args: DataArguments, stage: StageSpec, seed: int, tokenizer, template) -> PreparedData:
@@ -92,22 +102,26 @@ def _tokenized_splits(data_args: DataArguments, stage: StageSpec, seed: int, tok
         # Split aligned rows by the registries' seeded plan, as load_aligned does: the same seed
         # picks the same rows, and packing never puts a train and an eval example in one sequence.
         train, evaluation = _split(train, data_args.val_size, seed)
-    splits = [("training", data_args.dataset, train), ("evaluation", data_args.eval_dataset, evaluation)]
-    tokenized = []
-    for split, names, rows in splits:
-        if rows is None:
-            tokenized.append(None)
-            continue
-        result = _tokenized(rows, preprocess)
-        if result.count() == 0:  # would reach Ray Train and fail there, four tracebacks deep
-            raise DataConfigError(_nothing_left(split, names, rows, preprocess, stage))
-        tokenized.append(result)
-    return tuple(tokenized)
+    eval_source = f"eval_dataset {', '.join(data_args.eval_dataset)}" if data_args.eval_dataset else (
+        f"the val_size share of dataset {', '.join(data_args.dataset)}"
+    )
+    return (
+        _tokenized_nonempty(train, preprocess, stage, "training", f"dataset {', '.join(data_args.dataset)}"),
+        _tokenized_nonempty(evaluation, preprocess, stage, "evaluation", eval_source) if evaluation is not None else None,
+    )
 
 
-def _nothing_left(split: str, names, rows, preprocess, stage: StageSpec) -> str:
+def _tokenized_nonempty(rows, preprocess, stage: StageSpec, split: str, where: str) -> "ray.data.Dataset":
+    """Tokenized rows, or a DataConfigError when none is left: that would reach Ray Train and
+    fail there, four tracebacks deep."""
+    result = _tokenized(rows, preprocess)
+    if result.count() == 0:
+        raise DataConfigError(_nothing_left(split, where, rows, preprocess, stage))
+    return result
+
+
+def _nothing_left(split: str, where: str, rows, preprocess, stage: StageSpec) -> str:
     """Why no tokenized example is left: the stage's tokenizer counts what it skipped and why."""
-    where = f"dataset {', '.join(names or [])}" if split == "training" else f"eval_dataset {', '.join(names or [])}"
     sample = rows.take(BATCH_SIZE)
     stats: Counter = Counter()
     if sample:
@@ -312,13 +326,10 @@ def _source_files(data_args: DataArguments) -> Optional[dict[str, list[int]]]:
     """path -> [size, mtime_ns] of every file the rows come from; None where they are not here
     (a cache made elsewhere and copied, with the data left behind)."""
     try:
-        attrs = get_dataset_attrs(data_args.dataset, data_args.dataset_dir)
-        attrs += get_dataset_attrs(data_args.eval_dataset, data_args.dataset_dir)
-        paths = {attr.info_path for attr in attrs}
-        paths.update(path for attr in attrs if attr.load_from == "file" for path in data_files(attr))
+        paths = _source_paths(data_args)
     except DataConfigError:
         return None
-    return {path: [os.stat(path).st_size, os.stat(path).st_mtime_ns] for path in sorted(paths)}
+    return {path: [(info := os.stat(path)).st_size, info.st_mtime_ns] for path in sorted(paths)}
 
 
 def _reuses_cache(data_args) -> bool:
