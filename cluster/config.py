@@ -13,6 +13,7 @@ import difflib
 import json
 import os
 import re
+import sys
 import typing
 from dataclasses import dataclass, field
 from functools import lru_cache
@@ -32,6 +33,7 @@ from stages.args import (
     trainer_fields,
 )
 from stages.job import JobSpec
+from stages.rl.args import RLArguments
 from stages.table import UnknownStageError, get_stage
 
 from .config_types import ConfigError, bool_word, coerce_key
@@ -46,6 +48,7 @@ GROUPS: dict[str, type] = {
     "finetuning": FinetuningArguments,
     "generating": GeneratingArguments,
     "ray": RayArguments,
+    "rl": RLArguments,
 }
 
 
@@ -59,13 +62,15 @@ class RunConfig:
     generating: GeneratingArguments
     training: TrainingOptions
     ray: RayArguments
+    rl: RLArguments
     raw: dict[str, Any] = field(default_factory=dict)  # the keys as the user wrote them, overrides applied
     source: str = "the config dict"
     notes: list[str] = field(default_factory=list)  # LLaMA-Factory keys that were ignored or translated
 
     def job_spec(self) -> JobSpec:
         """The typed slices every process of the run receives (the same objects, not copies)."""
-        return JobSpec(model=self.model, data=self.data, finetuning=self.finetuning, training=self.training)
+        return JobSpec(model=self.model, data=self.data, finetuning=self.finetuning, training=self.training,
+                       rl=self.rl, generating=self.generating)
 
     def resolved(self) -> dict[str, Any]:
         """Every effective value, flat; ``load_config`` of this dict gives the same run."""
@@ -75,6 +80,7 @@ class RunConfig:
         out.update(self.training.to_dict())
         out.update(dataclasses.asdict(self.generating))
         out.update(dataclasses.asdict(self.ray))
+        out.update(dataclasses.asdict(self.rl))
         return out
 
     def write_yaml(self, path: str | os.PathLike | None = None) -> str:
@@ -105,6 +111,7 @@ def load_config(path_or_dict: str | os.PathLike | dict | None = None, overrides:
         generating=_build("generating", grouped["generating"], origin, source),
         training=TrainingOptions(grouped["training"]),
         ray=_build("ray", grouped["ray"], origin, source),
+        rl=_build("rl", grouped["rl"], origin, source),
         raw=raw,
         source=source,
         notes=notes,
@@ -283,9 +290,12 @@ def _build(group: str, kwargs: dict[str, Any], origin: dict[str, str], source: s
 def _check_and_resolve(run: RunConfig, where: typing.Callable[[str], str]) -> None:
     model, tuning, data, training = run.model, run.finetuning, run.data, run.training.values
     try:
-        get_stage(tuning.stage)  # a stage whose recipe is not built yet is refused before any work
+        stage = get_stage(tuning.stage)  # a stage whose recipe is not built yet is refused before any work
     except UnknownStageError as exc:
         raise ConfigError(f"{exc} Change stage in {where('stage')}.") from None
+    is_rl = stage.launch == "rl_controller"
+    if is_rl:
+        _check_rl(run, where)
     if not model.model_name_or_path:
         raise ConfigError(
             f"model_name_or_path is missing in {where('model_name_or_path')}. Set it to a model folder "
@@ -339,7 +349,8 @@ def _check_and_resolve(run: RunConfig, where: typing.Callable[[str], str]) -> No
             )
         training["resume_from_checkpoint"] = os.path.abspath(resume)
     training.setdefault("report_to", "none")
-    check_extras({"deepspeed": training.get("deepspeed"), "quantization_bit": model.quantization_bit}, where)
+    check_extras({"deepspeed": training.get("deepspeed"), "quantization_bit": model.quantization_bit,
+                  "rollout_backend": is_rl and run.rl.rollout_backend == "vllm"}, where)
     check_training_options(run.training, where)
     # Ray Train workers do not run in the driver's directory: hand them absolute paths.
     training["output_dir"] = _absolute(training["output_dir"])
@@ -355,6 +366,36 @@ def _check_and_resolve(run: RunConfig, where: typing.Callable[[str], str]) -> No
     for obj, name in adapter_lists:
         if getattr(obj, name):
             setattr(obj, name, [_absolute_if_local(p) for p in getattr(obj, name)])
+
+
+def _check_rl(run: RunConfig, where: typing.Callable[[str], str]) -> None:
+    """Rules of the RL stages, whose policy trains in RayFactory's own loop (no HF Trainer)."""
+    from stages.rl.rewards import RewardFunctionError, load_reward_funcs
+
+    try:
+        run.rl.check_for_stage(run.finetuning.stage)
+    except ArgumentError as exc:
+        raise ConfigError(f"invalid {exc.key} in {where(exc.key)}: {exc}") from None
+    # "my_rewards:score" names a module in the directory the run starts from, as `python -m` would
+    # find it (the rayfactory script's own sys.path lacks that directory). The reward functions
+    # run in this process, the controller's: loading them now fails a typo before Ray starts.
+    if os.getcwd() not in sys.path:
+        sys.path.insert(0, os.getcwd())
+    try:
+        load_reward_funcs(run.rl.reward_funcs, run.rl.reward_weights)
+    except RewardFunctionError as exc:
+        raise ConfigError(f"reward_funcs in {where('reward_funcs')}: {exc}") from None
+    if run.training.values.get("deepspeed"):
+        raise ConfigError(
+            f"deepspeed in {where('deepspeed')}: stage {run.finetuning.stage} trains its policy with DDP across "
+            "ray_num_workers; DeepSpeed ZeRO for RL policies is not built yet. Remove deepspeed (use LoRA or "
+            "more workers to fit the model)."
+        )
+    if run.model.quantization_bit:
+        raise ConfigError(
+            f"quantization_bit in {where('quantization_bit')}: QLoRA policies cannot yet be synced into the "
+            f"rollout engines of stage {run.finetuning.stage}. Remove quantization_bit."
+        )
 
 
 def _absolute(path: str) -> str:

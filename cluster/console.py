@@ -67,6 +67,15 @@ class Console:
         each = ", ".join(f"{name} {amount:g}" for name, amount in ray_args.resources_per_worker.items())
         self.say(f"  workers   {ray_args.ray_num_workers}, each {each}, on "
                  + (f"the Ray cluster at {address}" if address else "a local Ray"))
+        if tuning.spec.launch == "rl_controller":
+            if cfg.rl.rollout_backend == "vllm":
+                engines = ", ".join(f"{name} {amount:g}" for name, amount in ray_args.rollout_resources.items())
+                where = "on the policy workers' bundles" if ray_args.colocate_rollout else f"each {engines}"
+                self.say(f"  rollout   {ray_args.rollout_num_engines} vLLM engine(s), {where}")
+            else:
+                self.say("  rollout   transformers generate in the policy workers")
+            self.say(f"  rewards   {', '.join(cfg.rl.reward_funcs)}; {cfg.rl.num_generations} samples per prompt, "
+                     f"{cfg.rl.rollout_batch_size} prompts per step")
         self.say(f"  output    {cfg.training.output_dir}")
         if self.log_path:
             hint = "" if self.verbose else " (Ray's, the workers' and the libraries' output; --verbose shows it here)"
@@ -96,7 +105,10 @@ class Console:
             self.say(f"eval at step {step}: " + ", ".join(f"{k} {_number(v)}" for k, v in evals.items()))
         if self._bar is None:
             return
-        if "loss" in record:
+        if "reward" in record:  # RL stages: the mean reward says more than a policy-gradient loss
+            self._bar.set_postfix_str(f"reward {_number(record['reward'])}, kl {_number(record.get('kl', 0.0))}",
+                                      refresh=False)
+        elif "loss" in record:
             lr = record.get("learning_rate")
             self._bar.set_postfix_str(f"loss {_number(record['loss'])}" + (f", lr {lr:.2e}" if lr is not None else ""),
                                       refresh=False)
@@ -108,7 +120,8 @@ class Console:
         """After a run that succeeded: its headline metrics and where everything went."""
         self._close_bar()
         metrics = {**(result.metrics or {}), **self._metrics}
-        shown = ", ".join(f"{k} {_number(metrics[k])}" for k in ("train_loss", "eval_loss") if k in metrics)
+        shown = ", ".join(f"{k} {_number(metrics[k])}" for k in ("train_loss", "eval_loss", "reward", "eval_reward")
+                          if k in metrics)
         self.say(f"done in {_duration(time.time() - self._started)}" + (f": {shown}" if shown else ""))
         self.say(f"  outputs     {output_dir}")
         plot = os.path.join(output_dir, "training_loss.png")

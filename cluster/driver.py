@@ -52,10 +52,15 @@ def run_exp(
     os.makedirs(output_dir, exist_ok=True)
     cfg.write_yaml()  # the resolved config, so the run can be repeated exactly
     console.plan(cfg)
-    resources = connect(cfg.ray)
+    resources = connect(cfg.ray, extra_cpus=_rollout_cpus(cfg))
     _check_resources(cfg, resources)
     data = prepare_datasets(cfg.data, spec.stage, cfg.training.seed, tokenizer, template)
-    result = launch_training(spec, cfg.ray, data.train, data.eval, callbacks, progress=console.progress_sink())
+    if spec.stage.launch == "rl_controller":  # roles as actor groups, driven from here
+        from fabric.rl_launcher import launch_rl
+
+        result = launch_rl(spec, cfg.ray, data.train, data.eval, tokenizer, template, progress=console.progress_sink())
+    else:
+        result = launch_training(spec, cfg.ray, data.train, data.eval, callbacks, progress=console.progress_sink())
     if result.error is not None:
         raise result.error
     checkpoint = result.checkpoint.path if result.checkpoint is not None else None
@@ -112,6 +117,14 @@ def _looks_local(path: str) -> bool:
     if "://" in path or path.startswith("tiny:"):
         return False
     return path.startswith(("/", "./", "../", "~", ".\\")) or path.count("/") > 1 or "\\" in path
+
+
+def _rollout_cpus(cfg: RunConfig) -> float:
+    """CPUs the rollout engines of an RL stage hold on their own bundles (none when colocated)."""
+    ray_args = cfg.ray
+    if cfg.finetuning.spec.launch != "rl_controller" or cfg.rl.rollout_backend != "vllm" or ray_args.colocate_rollout:
+        return 0
+    return float(ray_args.rollout_resources.get("CPU", 0) or 0) * ray_args.rollout_num_engines
 
 
 def _check_resources(cfg: RunConfig, resources: dict) -> None:

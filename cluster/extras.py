@@ -11,10 +11,12 @@ from typing import Callable
 
 from .config_types import ConfigError
 
-# option -> (module it imports, pyproject extra that installs it)
+# option -> (module it imports, pyproject extra that installs it, the other way out)
 EXTRAS = {
-    "deepspeed": ("deepspeed", "deepspeed"),
-    "quantization_bit": ("bitsandbytes", "qlora"),
+    "deepspeed": ("deepspeed", "deepspeed", "or remove deepspeed"),
+    "quantization_bit": ("bitsandbytes", "qlora", "or remove quantization_bit"),
+    # True only for RL stages whose rollouts run on vLLM engines.
+    "rollout_backend": ("vllm", "vllm", "or set rollout_backend: hf (transformers generate in the policy workers)"),
 }
 
 
@@ -27,10 +29,10 @@ def installed(module: str) -> bool:
 
 def check_extras(options: dict[str, object], where: Callable[[str], str]) -> None:
     """``options``: the config's values by key; ``where(key)`` names the file or override that set it."""
-    for key, (module, extra) in EXTRAS.items():
+    for key, (module, extra, alternative) in EXTRAS.items():
         if options.get(key) and not installed(module):
             raise ConfigError(
                 f"{key} in {where(key)} needs the Python package {module!r}, which is not installed here. "
                 f"Install RayFactory's {extra!r} extra (pip install -e '.[{extra}]' in the RayFactory folder), "
-                f"or remove {key}."
+                f"{alternative}."
             )

@@ -32,6 +32,12 @@ class RayArguments:
     # Logical CPUs for a local ray.init; None lets Ray count them. Declaring more than the
     # machine has lets a streaming Ray Data pipeline run next to CPU-holding train workers.
     ray_num_cpus: int | None = None
+    # RL stages: the policy is ray_num_workers x resources_per_worker (a reference policy lives in
+    # the same processes); the rollout engines are placed as these keys say.
+    rollout_num_engines: int = 1
+    rollout_resources: dict[str, float] = field(default_factory=lambda: {"CPU": 1})
+    rollout_tensor_parallel_size: int = 1  # GPUs per engine (vLLM tensor parallel); CPU engines: 1
+    colocate_rollout: bool = False  # engines share the policy workers' bundles instead of their own
 
     def __post_init__(self) -> None:
         if self.ray_num_workers < 1:
@@ -54,17 +60,11 @@ class RayArguments:
                 "ray_num_cpus sizes a local Ray, but ray_address joins an existing cluster, whose CPUs are "
                 "fixed when it starts. Remove one of them.",
             )
-        for name, amount in self.resources_per_worker.items():
-            if name.upper() in ("CPU", "GPU") and name != name.upper():
-                raise ArgumentError(
-                    "resources_per_worker",
-                    f"resources_per_worker names {name!r}; Ray's resource names are case-sensitive, so this "
-                    f"would ask for a custom resource no node has. Write {name.upper()!r}.",
-                )
-            if amount < 0:
-                raise ArgumentError(
-                    "resources_per_worker", f"resources_per_worker[{name!r}] is {amount}; it cannot be negative."
-                )
+        for key in ("resources_per_worker", "rollout_resources"):
+            _check_resources(key, getattr(self, key))
+        for key in ("rollout_num_engines", "rollout_tensor_parallel_size"):
+            if getattr(self, key) < 1:
+                raise ArgumentError(key, f"{key} must be at least 1, got {getattr(self, key)}.")
         path = self.ray_storage_path or DEFAULT_STORAGE
         self.ray_storage_path = path if "://" in path else os.path.abspath(os.path.expanduser(path))
 
@@ -75,3 +75,15 @@ class RayArguments:
     @property
     def uses_gpu(self) -> bool:
         return float(self.resources_per_worker.get("GPU", 0) or 0) > 0
+
+
+def _check_resources(key: str, resources: dict[str, float]) -> None:
+    for name, amount in resources.items():
+        if name.upper() in ("CPU", "GPU") and name != name.upper():
+            raise ArgumentError(
+                key,
+                f"{key} names {name!r}; Ray's resource names are case-sensitive, so this "
+                f"would ask for a custom resource no node has. Write {name.upper()!r}.",
+            )
+        if amount < 0:
+            raise ArgumentError(key, f"{key}[{name!r}] is {amount}; it cannot be negative.")

@@ -25,8 +25,9 @@ WORKER_ENV = {
 }
 
 
-def connect(ray_args: RayArguments) -> dict:
-    """Connect to ``ray_address`` / ``RAY_ADDRESS`` or start a local Ray; return its resources."""
+def connect(ray_args: RayArguments, extra_cpus: float = 0) -> dict:
+    """Connect to ``ray_address`` / ``RAY_ADDRESS`` or start a local Ray; return its resources.
+    ``extra_cpus``: what a local Ray must hold besides the workers (e.g. RL rollout engines)."""
     for key, value in WORKER_ENV.items():
         os.environ.setdefault(key, value)  # the Train controller reads it in this process
     if not ray.is_initialized():
@@ -37,10 +38,14 @@ def connect(ray_args: RayArguments) -> dict:
         if address is None:
             # Local: workers import our packages from this checkout even when it is not installed.
             env_vars.setdefault("PYTHONPATH", _REPO_ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
-            kwargs.setdefault("num_cpus", local_cpu_count(ray_args))
+            kwargs.setdefault("num_cpus", local_cpu_count(ray_args, extra_cpus))
             kwargs.setdefault("include_dashboard", False)
             if not kwargs["include_dashboard"]:
                 runtime_env.setdefault("worker_process_setup_hook", quiet_state_api_pollers)
+            # "local" always starts a fresh Ray. Without it, ray.init() joins whatever cluster
+            # /tmp/ray/ray_current_cluster names, a file a stopped `ray start` or test cluster
+            # leaves behind, and then refuses num_cpus.
+            address = "local"
         runtime_env["env_vars"] = env_vars
         # Every worker's and actor's output comes to this process's stdout/stderr: the CLI sends
         # those to the run's log file (cluster/console.py), so nothing a worker says is lost.
@@ -61,7 +66,7 @@ def quiet_state_api_pollers() -> None:
     logging.getLogger("ray.train.v2._internal.execution.controller.placement_group_cleaner").setLevel(logging.ERROR)
 
 
-def local_cpu_count(ray_args: RayArguments) -> int:
+def local_cpu_count(ray_args: RayArguments, extra_cpus: float = 0) -> int:
     """Logical CPUs for a local Ray: enough for every worker plus one for data and the controller.
 
     Declaring more CPUs than the machine has only oversubscribes threads; declaring fewer leaves a
@@ -70,7 +75,7 @@ def local_cpu_count(ray_args: RayArguments) -> int:
     if ray_args.ray_num_cpus:
         return int(ray_args.ray_num_cpus)
     per_worker = float(ray_args.resources_per_worker.get("CPU", 1) or 0)
-    needed = int(per_worker * ray_args.ray_num_workers + 0.999) + 1
+    needed = int(per_worker * ray_args.ray_num_workers + extra_cpus + 0.999) + 1
     return max(os.cpu_count() or 1, needed)
 
 

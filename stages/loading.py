@@ -7,6 +7,7 @@ import logging
 
 import torch
 
+from registries.errors import UserError
 from registries.models import load_tokenizer, tiny_model_path
 from registries.templates.autodetect import resolve_template
 from registries.templates.formatters import FunctionFormatter, ToolFormatter
@@ -21,12 +22,35 @@ _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torc
 TINY_PREFIX = "tiny:"
 
 
+# Shape options a ``tiny:`` name may carry, e.g. ``tiny:qwen2,num_heads=2`` (head size 32, which
+# vLLM's CPU attention needs; the default 64/4 gives 16).
+TINY_OPTIONS = ("hidden_size", "num_layers", "num_heads", "num_kv_heads", "intermediate_size", "vocab_size", "seed")
+
+
 def resolve_model_path(name: str) -> str:
-    """``tiny:<family>`` names a random-init model built offline (and cached) by the registries:
-    the quickstart and the tests train it without any hub. Anything else is a hub id or a path."""
+    """``tiny:<family>[,key=value...]`` names a random-init model built offline (and cached) by the
+    registries: the quickstart and the tests train it without any hub. Anything else is a hub id
+    or a path."""
     if isinstance(name, str) and name.startswith(TINY_PREFIX):
-        return str(tiny_model_path(name[len(TINY_PREFIX):]))
+        family, options = parse_tiny_name(name)
+        return str(tiny_model_path(family, **options))
     return name
+
+
+def parse_tiny_name(name: str) -> tuple[str, dict[str, int]]:
+    """``tiny:qwen2,num_heads=2`` -> ("qwen2", {"num_heads": 2}); a clear UserError for bad options."""
+    family, *parts = name[len(TINY_PREFIX):].split(",")
+    options: dict[str, int] = {}
+    for part in parts:
+        key, _, value = part.partition("=")
+        key = key.strip()
+        if key not in TINY_OPTIONS or not value.strip().isdigit():
+            raise UserError(
+                f"model_name_or_path {name!r}: {part!r} is not a tiny-model option. Write "
+                f"tiny:<family>,key=N with key one of {', '.join(TINY_OPTIONS)} (e.g. tiny:qwen2,num_heads=2)."
+            )
+        options[key] = int(value)
+    return family, options
 
 
 def load_tokenizer_and_template(model_args, data_args):

@@ -141,6 +141,12 @@ register_stage(StageSpec(
     runner="kto:run_kto", keeps_extra_columns=True, needs_reference=_always,
 ))
 register_stage(StageSpec(
+    "grpo", "GRPO: groups of sampled answers scored by reward functions; policy and vLLM rollouts as Ray actors",
+    dataset_need="prompt_only", tokenize="unsupervised", collator="collators:prompt_collator",
+    runner="grpo:run_grpo", launch="rl_controller",
+    needs_reference=_always,  # when beta > 0; beta 0 loads none (stages/rl/policy.py)
+))
+register_stage(StageSpec(
     "ppo", "PPO with actor, critic, reward and reference as Ray actor groups",
     dataset_need="prompt_only", tokenize="unsupervised", collator="collators:prompt_collator",
     runner=None, launch="rl_controller", needs_reference=_always,

@@ -14,6 +14,7 @@ from cluster.lf_compat import IGNORED_KEYS, MULTIMODAL_KEYS, UNSUPPORTED_KEYS
 from fabric.args import RayArguments
 from registries.datasets.args import DataArguments
 from stages.args import FinetuningArguments, GeneratingArguments, ModelArguments, trainer_fields
+from stages.rl.args import RLArguments
 from tests.cluster.conftest import BASE, error_of, write
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -123,7 +124,7 @@ def test_defaults_follow_llamafactory():
 def test_every_key_belongs_to_exactly_one_group():
     owners = key_owners()  # raises if two groups claim a name
     groups = {"model": ModelArguments, "data": DataArguments, "finetuning": FinetuningArguments,
-              "generating": GeneratingArguments, "ray": RayArguments}
+              "generating": GeneratingArguments, "ray": RayArguments, "rl": RLArguments}
     for group, cls in groups.items():
         assert all(owners[name] == group for name in cls.__dataclass_fields__)
     assert set(owners) == {n for c in groups.values() for n in c.__dataclass_fields__} | set(trainer_fields())
@@ -244,7 +245,7 @@ def test_data_type_errors_come_from_data_arguments_with_the_file():
 
 def test_unknown_stage_suggests_the_closest():
     assert error_of(write("model_name_or_path: m\noutput_dir: o\nstage: sfft\n")) == (
-        "invalid stage in cfg.yaml: unknown stage 'sfft'; the stages are pt, sft, rm, dpo, kto, ppo (not yet). "
+        "invalid stage in cfg.yaml: unknown stage 'sfft'; the stages are pt, sft, rm, dpo, kto, grpo, ppo (not yet). "
         "Did you mean 'sft'?"
     )
     # orpo and simpo are objectives inside dpo, and the message says so
@@ -398,7 +399,7 @@ def test_stage_without_a_runner_is_refused_at_config_time():
     message = error_of(write("model_name_or_path: m\noutput_dir: o\nstage: ppo\nreward_model: rm\n"))
     assert message == (
         "stage 'ppo' cannot be trained yet (PPO with actor, critic, reward and reference as Ray actor groups); "
-        "the stages that can: pt, sft, rm, dpo, kto. Change stage in cfg.yaml."
+        "the stages that can: pt, sft, rm, dpo, kto, grpo. Change stage in cfg.yaml."
     )
 
 

@@ -174,6 +174,7 @@ def test_each_stage_gets_its_collator_from_the_table():
     expect = {
         "pt": (PaddingCollator, "right"), "sft": (PaddingCollator, "right"), "rm": (PairwiseCollator, "right"),
         "dpo": (PairwiseCollator, "right"), "kto": (KTOCollator, "right"), "ppo": (PaddingCollator, "left"),
+        "grpo": (PaddingCollator, "left"),
     }
     assert set(expect) == set(STAGES)  # a new stage must say which collator it gets
     for stage, (cls, side) in expect.items():

@@ -15,8 +15,9 @@ def test_every_available_stage_resolves_its_recipe_and_collator():
         assert spec.dataset_need in DATASET_NEEDS and spec.tokenize in KINDS
         assert callable(spec.load_collator_factory())
         if spec.available:
-            assert spec.launch == "train_workers" and callable(spec.load_runner())
-    assert [s.name for s in STAGES.values() if s.available] == ["pt", "sft", "rm", "dpo", "kto"]
+            assert callable(spec.load_runner())
+    assert [s.name for s in STAGES.values() if s.available] == ["pt", "sft", "rm", "dpo", "kto", "grpo"]
+    assert [s.name for s in STAGES.values() if s.launch == "rl_controller"] == ["grpo", "ppo"]
 
 
 def test_duplicate_stage_is_rejected():

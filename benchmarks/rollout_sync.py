@@ -1,0 +1,109 @@
+"""Rollout speed of a vLLM engine against transformers ``generate``, and the cost of a weight sync.
+
+    .venv/bin/python benchmarks/rollout_sync.py                 # both models, ~2 min here
+    .venv/bin/python benchmarks/rollout_sync.py --models tiny --repeats 2
+
+For each model (``tiny``: the Qwen2-style test model, hidden 64, head_dim 32, 0.2M params;
+``20m``: the ~20M-parameter one of train_throughput.py), on a local Ray:
+
+* **rollout tokens/s**: 32 prompts of 16 random tokens, n=4 samples each, exactly 32 new tokens
+  per sample (no stop tokens; HF with ``min_new_tokens``), temperature 1; new tokens / wall
+  seconds, the best of ``--repeats`` timed calls after one warm-up call. vLLM runs in a
+  ``VLLMEngine`` actor with ``num_cpus=1`` (Ray sets OMP_NUM_THREADS=1 in it); HF ``generate``
+  runs in this process on one torch thread, all 128 sequences in one left-padded batch.
+* **sync**: ``ObjectStoreSync().push(model, [engine])`` of the fp32 weights: export + safetensors
+  + ray.put + the engine's reload (``load``); the median of ``--repeats`` pushes, and per MB.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, REPO_ROOT)
+
+from harness import MODEL_20M, format_table, machine_line  # noqa: E402
+
+MODELS = {"tiny": dict(hidden_size=64, num_heads=2), "20m": MODEL_20M}
+PROMPTS, N, NEW_TOKENS, PROMPT_LEN = 32, 4, 32, 16
+COLUMNS = [
+    ("model", "model", "{}"), ("params", "params_m", "{:.2f}M"), ("engine start", "start_s", "{:.1f} s"),
+    ("vLLM tokens/s", "vllm_tps", "{:,.0f}"), ("HF generate tokens/s", "hf_tps", "{:,.0f}"),
+    ("vLLM / HF", "speedup", "{:.1f}x"), ("weights", "mb", "{:.1f} MB"), ("sync", "sync_s", "{:.3f} s"),
+    ("of which load", "load_s", "{:.3f} s"), ("sync per MB", "s_per_mb", "{:.4f} s"),
+]
+
+
+def bench_model(name: str, repeats: int) -> dict:
+    import ray
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from fabric.rollout import VLLMEngine, VLLMEngineConfig, engine_runtime_env
+    from fabric.weight_sync import ObjectStoreSync
+    from registries.models.tiny import tiny_model_path
+    from stages.rl.types import SamplingSpec
+
+    path = tiny_model_path("qwen2", **MODELS[name])
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    generator = torch.Generator().manual_seed(0)
+    prompts = torch.randint(10, model.config.vocab_size, (PROMPTS, PROMPT_LEN), generator=generator).tolist()
+    new_tokens = PROMPTS * N * NEW_TOKENS
+
+    start = time.perf_counter()
+    config = VLLMEngineConfig(model_path=str(path), kv_cache_bytes=256 << 20, max_model_len=PROMPT_LEN + NEW_TOKENS)
+    engine = ray.remote(VLLMEngine).options(num_cpus=1, runtime_env=engine_runtime_env()).remote(config)
+    ray.get(engine.ready.remote())
+    start_s = time.perf_counter() - start
+
+    spec = SamplingSpec(n=N, temperature=1.0, max_tokens=NEW_TOKENS, seed=0)
+    vllm_times = []
+    for _ in range(repeats + 1):
+        t = time.perf_counter()
+        out = ray.get(engine.generate.remote(prompts, spec))
+        vllm_times.append(time.perf_counter() - t)
+        assert sum(len(c.token_ids) for c in out) == new_tokens
+    torch.set_num_threads(1)
+    ids = torch.tensor(prompts)
+    hf_times = []
+    with torch.no_grad():
+        for _ in range(repeats + 1):
+            t = time.perf_counter()
+            out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), do_sample=True, temperature=1.0,
+                                 top_p=1.0, top_k=None, num_return_sequences=N, max_new_tokens=NEW_TOKENS,
+                                 min_new_tokens=NEW_TOKENS, pad_token_id=0)
+            hf_times.append(time.perf_counter() - t)
+            assert out[:, PROMPT_LEN:].numel() == new_tokens
+    torch.set_num_threads(os.cpu_count() or 1)
+
+    pushes = [ObjectStoreSync().push(model, [engine]) for _ in range(repeats + 1)][1:]
+    ray.kill(engine)
+    mb = pushes[0].bytes / 2**20
+    sync_s = statistics.median(p.seconds for p in pushes)
+    vllm_tps, hf_tps = new_tokens / min(vllm_times[1:]), new_tokens / min(hf_times[1:])
+    return dict(model=name, params_m=sum(p.numel() for p in model.parameters()) / 1e6, start_s=start_s,
+                vllm_tps=vllm_tps, hf_tps=hf_tps, speedup=vllm_tps / hf_tps, mb=mb, sync_s=sync_s,
+                load_s=statistics.median(p.load_seconds for p in pushes), s_per_mb=sync_s / mb)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--models", default=",".join(MODELS), help=f"comma-separated, of {list(MODELS)}")
+    parser.add_argument("--repeats", type=int, default=3)
+    args = parser.parse_args()
+
+    from fabric.args import RayArguments
+    from fabric.ray_session import connect
+
+    connect(RayArguments(ray_num_cpus=4))
+    results = [bench_model(name, args.repeats) for name in args.models.split(",")]
+    print(f"\n{machine_line()}\n")
+    print(format_table(results, COLUMNS))
+
+
+if __name__ == "__main__":
+    main()

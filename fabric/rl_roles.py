@@ -1,0 +1,88 @@
+"""The RL roles as Ray actor groups, behind the recipe's ``RLRoles`` interface.
+
+* policy: ``ray_num_workers`` ranks of ``PolicyWorker`` (DDP over gloo on CPU, NCCL on GPU);
+  the reference, when beta > 0, lives in the same processes (LoRA: the adapter switched off).
+* rollout: ``rollout_num_engines`` vLLM engines, or none when ``rollout_backend: hf`` (the
+  policy ranks then generate with transformers).
+* reward: the rule functions run in the controller (they are cheap Python); reward models as a
+  role of their own come with PPO.
+
+Work is split evenly over a group's actors and the results are put back in order, so the recipe
+sees one policy and one rollout service whatever their sizes.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+from stages.rl.policy import PolicyWorker
+from stages.rl.roles import RLRoles
+from stages.rl.types import Completion, RolloutSample, SamplingSpec
+
+from .actor_group import ActorGroup, RoleWorker, concat, split_evenly
+
+
+class PolicyActor(RoleWorker, PolicyWorker):
+    """A policy rank: the stage's PolicyWorker in a Ray actor that can join a process group."""
+
+
+class RayRoles(RLRoles):
+    def __init__(self, policy: ActorGroup[PolicyActor], engines: Optional[ActorGroup] = None, weight_sync=None):
+        self.policy = policy
+        self.engines = engines
+        self.weight_sync = weight_sync
+        self.policy_size = policy.size
+
+    def generate(self, prompt_ids: list[list[int]], sampling: SamplingSpec) -> list[Completion]:
+        if self.engines is not None:
+            from .rollout.actor import RolloutActor
+
+            group, method = self.engines, RolloutActor.generate
+        else:
+            group, method = self.policy, PolicyActor.generate
+        shards = split_evenly(prompt_ids, group.size)
+        results = group.scatter(method, shards, sampling)
+        out: list[Completion] = []
+        offset = 0
+        for shard, completions in zip(shards, results):
+            for c in completions:  # each actor numbered its own prompts from 0
+                c.prompt_index += offset
+            out += completions
+            offset += len(shard)
+        return out
+
+    def policy_logprobs(self, samples: list[RolloutSample]) -> list[list[float]]:
+        return concat(self.policy.scatter(PolicyActor.logprobs, split_evenly(samples, self.policy.size)))
+
+    def reference_logprobs(self, samples: list[RolloutSample]) -> list[list[float]]:
+        return concat(self.policy.scatter(PolicyActor.reference_logprobs, split_evenly(samples, self.policy.size)))
+
+    def update(self, samples: list[RolloutSample], normalizer: float) -> dict[str, float]:
+        reports = self.policy.scatter(PolicyActor.update, split_evenly(samples, self.policy.size), normalizer)
+        return _merge_reports(reports)
+
+    def sync_weights(self) -> dict[str, float]:
+        if self.engines is None:  # HF generate samples from the trained weights themselves
+            return {}
+        blob = self.policy.call_rank0_async(PolicyActor.export_weights)  # stays in the object store
+        stats = self.weight_sync.push(blob, self.engines.actors)
+        return {"time/sync_load": stats.load_seconds}
+
+    def save(self, output_dir: str) -> None:
+        self.policy.call_rank0(PolicyActor.save, output_dir)
+
+
+def _merge_reports(reports: list[dict]) -> dict[str, float]:
+    """One update's metrics over the ranks: loss as the ranks' mean (each reports its share of
+    the whole batch's loss times the world size); the rest weighted by each rank's samples."""
+    total = sum(r.get("num_samples", 0) for r in reports) or 1
+    merged: dict[str, float] = {"loss": sum(r["loss"] for r in reports) / len(reports)}
+    for key in reports[0]:
+        if key in ("loss", "num_samples") or reports[0][key] is None:
+            continue
+        if key in ("lr", "grad_norm"):  # the same on every rank after DDP's all-reduce
+            merged[key] = reports[0][key]
+        else:
+            merged[key] = sum(r[key] * r.get("num_samples", 0) for r in reports) / total
+    return merged
+

@@ -1,0 +1,242 @@
+"""The GRPO family's math: advantages from grouped rewards, KL estimators, the clipped policy loss.
+
+Pure torch, no Ray and no model: the policy worker feeds it tensors. Conventions (each chosen to
+match TRL 1.16's ``GRPOTrainer`` or, where TRL has no such option, OpenRLHF):
+
+* Rewards arrive flat and ordered group by group: the ``num_generations`` completions of prompt 0,
+  then those of prompt 1, ... Every estimator compares completions of one prompt, so n >= 2.
+* Standard deviations are the unbiased (Bessel-corrected) ones, as ``torch.std`` and TRL's
+  ``nanstd`` give; ``eps`` (default 1e-4, TRL's) is added to the std, never to the variance.
+* A group whose rewards are all equal (``uniform_groups``) gets advantage exactly 0 under every
+  estimator: it carries no signal, and floating-point noise in its mean must not fake one.
+* Everything is computed in float32 (float64 inputs stay float64); gradients flow to ``logp`` only.
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Sequence, Union
+
+import torch
+
+ESTIMATORS = ("group_norm", "dr_grpo", "rloo", "reinforce_baseline")
+SCALE_REWARDS = ("group", "batch", "none")
+KL_ESTIMATORS = ("k1", "k2", "k3")
+LOSS_TYPES = ("grpo", "dapo", "dr_grpo")
+# k3 exponentiates the log-ratio; clamping it to +-20 keeps exp() finite in float32 (e^20 ~ 5e8).
+# Only tokens whose policy and reference disagree by a factor above e^20 are affected (their KL
+# gradient is cut); TRL does not clamp, OpenRLHF clamps the result to +-10.
+KL_LOG_RATIO_CLAMP = 20.0
+
+
+def _as_float(x: torch.Tensor) -> torch.Tensor:
+    x = torch.as_tensor(x)
+    return x if x.dtype in (torch.float32, torch.float64) else x.to(torch.float32)
+
+
+def _grouped(rewards: torch.Tensor, num_generations: int) -> torch.Tensor:
+    rewards = _as_float(rewards)
+    if rewards.dim() != 1:
+        raise ValueError(f"rewards must be flat (one per completion), got shape {tuple(rewards.shape)}.")
+    if num_generations < 1 or rewards.numel() % num_generations:
+        raise ValueError(f"{rewards.numel()} rewards do not split into groups of num_generations={num_generations}.")
+    return rewards.view(-1, num_generations)
+
+
+def uniform_groups(rewards: torch.Tensor, num_generations: int, atol: float = 1e-6) -> torch.Tensor:
+    """Bool [num_groups]: True where a group's rewards all lie within ``atol`` of each other.
+
+    Such a group has zero advantage under every estimator, so it teaches nothing; dynamic
+    filtering (DAPO) drops it. Use ``.repeat_interleave(num_generations)`` for a per-completion mask.
+    """
+    grouped = _grouped(rewards, num_generations)
+    return (grouped.max(dim=1).values - grouped.min(dim=1).values) <= atol
+
+
+def compute_advantages(
+    rewards: torch.Tensor,
+    num_generations: int,
+    estimator: str,
+    scale_rewards: str = "group",
+    eps: float = 1e-4,
+) -> torch.Tensor:
+    """Flat advantages [N] from flat rewards [N] (groups of ``num_generations`` in a row).
+
+    With r one reward, mean / sum its group's, n = num_generations:
+
+    * ``group_norm`` (GRPO): (r - mean) / (std + eps). ``scale_rewards`` picks the std: "group" the
+      group's, "batch" that of all N raw rewards (TRL's "batch"), "none" no division (then it is
+      dr_grpo). ``scale_rewards`` applies to group_norm only.
+    * ``dr_grpo`` (Dr. GRPO): r - mean; no std division, which would favour easy/hard prompts.
+    * ``rloo``: r - (sum - r) / (n - 1), the mean of the *other* completions (= n/(n-1) (r - mean)).
+    * ``reinforce_baseline`` (REINFORCE++ baseline, OpenRLHF): r - mean, then divided by the std of
+      those centred values over the whole batch (+ eps); their batch mean is already 0.
+
+    Groups whose rewards are all equal get exactly 0.
+    """
+    if estimator not in ESTIMATORS:
+        raise ValueError(f"Unknown advantage estimator {estimator!r}; expected one of {ESTIMATORS}.")
+    if scale_rewards not in SCALE_REWARDS:
+        raise ValueError(f"Unknown scale_rewards {scale_rewards!r}; expected one of {SCALE_REWARDS}.")
+    grouped = _grouped(rewards, num_generations)
+    if num_generations < 2:
+        raise ValueError(f"advantage estimator {estimator!r} needs num_generations >= 2, got {num_generations}.")
+    if not torch.isfinite(grouped).all():
+        raise ValueError("rewards contain NaN or infinity; every completion needs a finite reward.")
+    n = num_generations
+    centred = grouped - grouped.mean(dim=1, keepdim=True)
+    if estimator == "group_norm":
+        if scale_rewards == "group":
+            advantages = centred / (grouped.std(dim=1, keepdim=True) + eps)
+        elif scale_rewards == "batch":
+            advantages = centred / (grouped.std() + eps)
+        else:
+            advantages = centred
+    elif estimator == "dr_grpo":
+        advantages = centred
+    elif estimator == "rloo":
+        advantages = grouped - (grouped.sum(dim=1, keepdim=True) - grouped) / (n - 1)
+    else:  # reinforce_baseline
+        advantages = centred / (centred.std() + eps)
+    flat_groups = uniform_groups(grouped.flatten(), n)
+    advantages = advantages.masked_fill(flat_groups.unsqueeze(1), 0.0)
+    return advantages.flatten()
+
+
+def kl_penalty(
+    logp: torch.Tensor,
+    ref_logp: torch.Tensor,
+    estimator: str = "k3",
+    clamp: Optional[float] = KL_LOG_RATIO_CLAMP,
+) -> torch.Tensor:
+    """Per-token estimate of KL(policy || reference) from sampled tokens' log-probs (same shape out).
+
+    With log r = logp - ref_logp (Schulman's "Approximating KL divergence"):
+
+    * ``k1`` = log r: unbiased, but negative on many tokens (high variance).
+    * ``k2`` = (log r)^2 / 2: always >= 0, biased.
+    * ``k3`` = exp(-log r) - 1 + log r = exp(ref - logp) - (ref - logp) - 1: unbiased and >= 0
+      (TRL's and GRPO's choice). For k3 only, log r is clamped to +-``clamp`` first (None: no clamp)
+      so exp() cannot overflow.
+    """
+    if estimator not in KL_ESTIMATORS:
+        raise ValueError(f"Unknown KL estimator {estimator!r}; expected one of {KL_ESTIMATORS}.")
+    log_ratio = _as_float(logp) - _as_float(ref_logp)
+    if estimator == "k1":
+        return log_ratio
+    if estimator == "k2":
+        return log_ratio.pow(2) / 2
+    if clamp is not None:
+        log_ratio = log_ratio.clamp(-clamp, clamp)
+    return torch.exp(-log_ratio) - 1 + log_ratio
+
+
+def loss_normalizer(
+    loss_type: str,
+    completion_lengths: Union[Sequence[int], torch.Tensor],
+    max_completion_length: int,
+) -> float:
+    """The denominator of the FULL batch's loss, from every sequence's number of loss tokens.
+
+    ``completion_lengths`` covers the whole optimizer step: all micro-batches of all data-parallel
+    ranks (e.g. ``mask.sum(-1)`` of the full batch, or ``len(sample.completion_ids)`` each).
+    grpo: the number of sequences; dapo: the number of tokens; dr_grpo: sequences *
+    max_completion_length. Floored at 1 so an empty batch gives 0 loss, not NaN.
+    """
+    if loss_type not in LOSS_TYPES:
+        raise ValueError(f"Unknown loss_type {loss_type!r}; expected one of {LOSS_TYPES}.")
+    lengths = torch.as_tensor(completion_lengths).flatten()
+    if loss_type == "grpo":
+        value = float(lengths.numel())
+    elif loss_type == "dapo":
+        value = float(lengths.sum().item())
+    else:
+        value = float(lengths.numel() * max_completion_length)
+    return max(value, 1.0)
+
+
+def policy_loss(
+    logp: torch.Tensor,
+    old_logp: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    *,
+    epsilon_low: float,
+    epsilon_high: float,
+    loss_type: str,
+    max_completion_length: int,
+    ref_logp: Optional[torch.Tensor] = None,
+    beta: float = 0.0,
+    kl_estimator: str = "k3",
+    normalizer: Optional[float] = None,
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """The clipped-surrogate loss of a padded batch, and its metrics.
+
+    ``logp`` / ``old_logp`` / ``ref_logp`` / ``mask`` are [B, T] (mask 1 on completion tokens);
+    ``advantages`` is [B]. Per token, with ratio = exp(logp - old_logp) and A the advantage:
+
+        loss_tok = -min(ratio * A, clip(ratio, 1 - epsilon_low, 1 + epsilon_high) * A) + beta * kl_tok
+
+    Aggregation: the loss is ``numerator / normalizer``, where the numerator is, by ``loss_type``,
+    grpo: the sum over sequences of each sequence's token mean; dapo and dr_grpo: the sum over all
+    tokens. ``normalizer`` None uses this batch's own ``loss_normalizer``, giving grpo = mean over
+    sequences of token means, dapo = token mean, dr_grpo = sum / (B * max_completion_length).
+
+    Micro-batches: pass every micro-batch ``normalizer=loss_normalizer(loss_type, <lengths of the
+    whole step>, max_completion_length)`` and the micro-batch losses SUM to the full-batch loss, so
+    accumulated gradients equal the full batch's. DDP averages gradients over ranks, so under DDP
+    divide that normalizer by the world size (each rank then holds 1/world of the sum).
+
+    Metrics (this call's tokens; ``num_tokens`` lets callers weight them): ``clip_fraction`` share
+    of tokens whose clip is active, i.e. the gradient is cut (ratio < 1 - eps_low with A < 0:
+    ``clip_fraction_low``; ratio > 1 + eps_high with A > 0: ``clip_fraction_high``), ``ratio_mean``,
+    and ``kl`` (token mean of the chosen estimator) when ``ref_logp`` is given.
+    """
+    if loss_type not in LOSS_TYPES:
+        raise ValueError(f"Unknown loss_type {loss_type!r}; expected one of {LOSS_TYPES}.")
+    if beta > 0 and ref_logp is None:
+        raise ValueError("beta > 0 needs ref_logp, the reference model's log-probs of the same tokens.")
+    logp = _as_float(logp)
+    mask = torch.as_tensor(mask).to(device=logp.device, dtype=logp.dtype)
+    old_logp = _as_float(old_logp).detach().to(logp.device)
+    adv = _as_float(advantages).detach().to(device=logp.device, dtype=logp.dtype).reshape(-1, 1)
+    if not (logp.shape == old_logp.shape == mask.shape) or logp.dim() != 2 or adv.shape[0] != logp.shape[0]:
+        raise ValueError(f"policy_loss wants logp, old_logp, mask [B, T] and advantages [B]; got {tuple(logp.shape)}, "
+                         f"{tuple(old_logp.shape)}, {tuple(mask.shape)}, {tuple(advantages.shape)}.")
+
+    # Padding may hold any value (even -inf): zero it before exp so it cannot leak NaN into the grads.
+    keep = mask > 0
+    logp, old_logp = torch.where(keep, logp, 0.0), torch.where(keep, old_logp, 0.0)
+    ratio = torch.exp(logp - old_logp)
+    clipped = torch.clamp(ratio, 1 - epsilon_low, 1 + epsilon_high)
+    per_token = -torch.min(ratio * adv, clipped * adv)
+    kl_tok = None
+    if ref_logp is not None:
+        ref = torch.where(keep, _as_float(ref_logp).detach().to(logp.device), 0.0)
+        kl_tok = kl_penalty(logp, ref, kl_estimator)
+        if beta > 0:
+            per_token = per_token + beta * kl_tok
+
+    token_sums = (per_token * mask).sum(dim=1)
+    if loss_type == "grpo":
+        numerator = (token_sums / mask.sum(dim=1).clamp(min=1.0)).sum()
+    else:
+        numerator = token_sums.sum()
+    if normalizer is None:
+        normalizer = loss_normalizer(loss_type, mask.sum(dim=1), max_completion_length)
+    loss = numerator / normalizer
+
+    with torch.no_grad():
+        n_tok = mask.sum()
+        denom = n_tok.clamp(min=1.0)
+        low = ((ratio < 1 - epsilon_low) & (adv < 0)).to(mask.dtype)
+        high = ((ratio > 1 + epsilon_high) & (adv > 0)).to(mask.dtype)
+        metrics = {
+            "clip_fraction": ((low + high) * mask).sum().item() / denom.item(),
+            "clip_fraction_low": (low * mask).sum().item() / denom.item(),
+            "clip_fraction_high": (high * mask).sum().item() / denom.item(),
+            "ratio_mean": (ratio * mask).sum().item() / denom.item(),
+            "num_tokens": n_tok.item(),
+        }
+        if kl_tok is not None:
+            metrics["kl"] = (kl_tok * mask).sum().item() / denom.item()
+    return loss, metrics

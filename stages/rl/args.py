@@ -1,0 +1,86 @@
+"""The RL options of a run (TRL's GRPO key names where TRL has them) and the rollout engines'.
+
+Sampling itself (``temperature``, ``top_p``, ``top_k``) is read from the generating options, the
+same keys LLaMA-Factory and TRL use; ``max_completion_length`` caps each completion.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal, Optional
+
+from registries.errors import ArgumentError
+
+AdvantageEstimator = Literal["group_norm", "dr_grpo", "rloo", "reinforce_baseline"]
+GROUP_ESTIMATORS = ("group_norm", "dr_grpo", "rloo", "reinforce_baseline")  # all need n > 1 per prompt
+
+
+@dataclass
+class RLArguments:
+    # --- rollouts -------------------------------------------------------------------------------
+    rollout_batch_size: int = 8  # prompts per step; each gets num_generations completions
+    num_generations: int = 4
+    max_completion_length: int = 32
+    rollout_backend: Literal["vllm", "hf"] = "vllm"  # hf: transformers generate() inside the policy workers
+    # --- rewards --------------------------------------------------------------------------------
+    # "module.path:function" or a built-in name (stages/rl/rewards.py); one float per completion.
+    reward_funcs: list[str] = field(default_factory=list)
+    reward_weights: Optional[list[float]] = None  # None: 1.0 each
+    # --- advantages and loss --------------------------------------------------------------------
+    advantage_estimator: AdvantageEstimator = "group_norm"
+    scale_rewards: Literal["group", "batch", "none"] = "group"  # group_norm's std: per group, whole batch, none
+    beta: float = 0.0  # KL-to-reference weight; 0 loads no reference model at all
+    kl_estimator: Literal["k1", "k2", "k3"] = "k3"
+    epsilon: float = 0.2  # clip range of the probability ratio ...
+    epsilon_high: Optional[float] = None  # ... and its upper side (DAPO's clip-higher); None: epsilon
+    # grpo: mean over each completion's tokens, then over completions (sequence-mean);
+    # dapo: mean over all tokens of the batch (token-mean);
+    # dr_grpo: sum over tokens / (completions * max_completion_length) (no length bias).
+    loss_type: Literal["grpo", "dapo", "dr_grpo"] = "dapo"
+    num_iterations: int = 1  # policy updates per rollout batch (TRL's mu)
+    # Drop prompt groups whose completions all got the same reward (no signal); the kept share is logged.
+    dynamic_filtering: bool = False
+    # --- rollout engines (vLLM) -----------------------------------------------------------------
+    vllm_kv_cache_gib: float = 0.25  # KV cache per engine; on CPU it must be set (the default takes RAM)
+    vllm_enforce_eager: bool = True  # skip graph capture / torch.compile (~40 s on CPU)
+    vllm_max_model_len: Optional[int] = None  # None: cutoff_len + max_completion_length
+
+    def __post_init__(self) -> None:
+        for name in ("rollout_batch_size", "num_generations", "max_completion_length", "num_iterations"):
+            if getattr(self, name) < 1:
+                raise ArgumentError(name, f"{name} must be at least 1, got {getattr(self, name)}.")
+        if self.epsilon_high is None:
+            self.epsilon_high = self.epsilon
+        if self.epsilon <= 0 or self.epsilon_high <= 0:
+            raise ArgumentError("epsilon", f"epsilon and epsilon_high must be positive, got {self.epsilon}, "
+                                           f"{self.epsilon_high}.")
+        if self.beta < 0:
+            raise ArgumentError("beta", f"beta must be >= 0 (0 turns the KL term off), got {self.beta}.")
+        if self.reward_weights is not None and len(self.reward_weights) != len(self.reward_funcs):
+            raise ArgumentError(
+                "reward_weights",
+                f"reward_weights has {len(self.reward_weights)} weights for {len(self.reward_funcs)} reward_funcs; "
+                "give one weight per function, in the same order, or remove reward_weights.",
+            )
+        if self.vllm_kv_cache_gib <= 0:
+            raise ArgumentError("vllm_kv_cache_gib", f"vllm_kv_cache_gib must be positive, got {self.vllm_kv_cache_gib}.")
+
+    def check_for_stage(self, stage: str) -> None:
+        """Rules that depend on the stage (called for RL stages only)."""
+        if self.advantage_estimator in GROUP_ESTIMATORS and self.num_generations < 2:
+            raise ArgumentError(
+                "num_generations",
+                f"advantage_estimator {self.advantage_estimator!r} compares the completions of one prompt with "
+                f"each other, so num_generations must be at least 2 (got {self.num_generations}). "
+                "Set num_generations: 4 (or more).",
+            )
+        if stage == "grpo" and not self.reward_funcs:
+            raise ArgumentError(
+                "reward_funcs",
+                "stage grpo needs reward_funcs: a list of reward functions, e.g. reward_funcs: [exact_match] "
+                "or [my_rewards:score] (a module on the Python path and a function in it).",
+            )
+
+    @property
+    def completions_per_step(self) -> int:
+        return self.rollout_batch_size * self.num_generations

@@ -1,0 +1,97 @@
+"""Log-probabilities of given completions under a causal LM: the one formula every RL term uses.
+
+The rollout engines report the sampled tokens' log-probs, the policy recomputes them for its loss
+(with autograd), the reference model for the KL term; all three must agree on what
+"log p(token | prompt, earlier tokens)" means, so it is computed here once. Torch only: the
+model may be a transformers causal LM, a peft ``PeftModel`` or either wrapped in DDP.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+
+# Rows of logits upcast to float32 at a time: bounds the extra memory of the softmax to ~64 MiB
+# whatever the batch (a 150k vocabulary is ~110 rows).
+_CHUNK_ELEMENTS = 1 << 24
+
+
+def token_logprobs(logits: torch.Tensor, ids: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
+    """``log_softmax(logits / temperature)`` at ``ids``, as float32, shape ``ids.shape``.
+
+    ``logits`` is ``[..., V]`` (any float dtype), ``ids`` is ``logits.shape[:-1]``. Computed as
+    ``logit[id] - logsumexp(logits)`` in row chunks, so the full ``[..., V]`` float32 log-softmax is
+    never materialised at once (bf16 logits of a long batch would double in size otherwise).
+    Differentiable.
+    """
+    if logits.shape[:-1] != ids.shape:
+        raise ValueError(f"logits {tuple(logits.shape)} and ids {tuple(ids.shape)} do not line up")
+    vocab = logits.shape[-1]
+    flat, flat_ids = logits.reshape(-1, vocab), ids.reshape(-1, 1)
+    rows = max(1, _CHUNK_ELEMENTS // vocab)
+    parts = []
+    for start in range(0, flat.shape[0], rows):
+        chunk = flat[start : start + rows].float()
+        if temperature != 1.0:
+            chunk = chunk / temperature
+        picked = chunk.gather(-1, flat_ids[start : start + rows]).squeeze(-1)
+        parts.append(picked - torch.logsumexp(chunk, dim=-1))
+    out = torch.cat(parts) if parts else flat.new_zeros(0, dtype=torch.float32)
+    return out.reshape(ids.shape)
+
+
+def completion_logprobs(
+    model,
+    prompt_ids: Sequence[Sequence[int]],
+    completion_ids: Sequence[Sequence[int]],
+    pad_token_id: int,
+    temperature: float = 1.0,
+    micro_batch_size: int = 16,
+) -> list[torch.Tensor]:
+    """One 1-D float32 tensor per completion: ``log p(c_t | prompt, c_<t)`` under
+    ``logits / temperature``, for every token ``c_t`` of the completion.
+
+    Sequences are grouped by length (less padding), right-padded with an attention mask and
+    explicit position ids (0.. for the real tokens of every row), and only the logits from the
+    shortest prompt's last token on are computed (``logits_to_keep``). Runs under whatever grad
+    mode the caller is in: under ``torch.no_grad()`` for rollout/reference log-probs, with grad
+    for the loss (every micro-batch's graph then stays alive until the caller's backward).
+    ``temperature`` <= 0 (greedy sampling) is treated as 1.
+    """
+    if len(prompt_ids) != len(completion_ids):
+        raise ValueError(f"{len(prompt_ids)} prompts but {len(completion_ids)} completions")
+    if any(len(p) == 0 for p in prompt_ids):
+        raise ValueError("every prompt needs at least one token (the first completion token is predicted from it)")
+    temperature = temperature if temperature > 0 else 1.0
+    device = next(model.parameters()).device
+    total = [len(p) + len(c) for p, c in zip(prompt_ids, completion_ids)]
+    order = sorted(range(len(total)), key=total.__getitem__)
+    results: list[torch.Tensor] = [torch.zeros(0)] * len(total)
+    for start in range(0, len(order), micro_batch_size):
+        batch = order[start : start + micro_batch_size]
+        width = max(total[i] for i in batch)
+        input_ids = torch.full((len(batch), width), pad_token_id, dtype=torch.long)
+        mask = torch.zeros((len(batch), width), dtype=torch.long)
+        for row, i in enumerate(batch):
+            seq = list(prompt_ids[i]) + list(completion_ids[i])
+            input_ids[row, : len(seq)] = torch.tensor(seq, dtype=torch.long)
+            mask[row, : len(seq)] = 1
+        # Right padding: real tokens already sit at 0..len-1; pads get the last real position
+        # (their outputs are never read) so no model sees a position past its real length.
+        positions = (mask.cumsum(-1) - 1).clamp(min=0)
+        # Position t's logits predict token t+1: keep from the shortest prompt's last token on.
+        offset = min(len(prompt_ids[i]) for i in batch) - 1
+        logits = model(
+            input_ids=input_ids.to(device),
+            attention_mask=mask.to(device),
+            position_ids=positions.to(device),
+            logits_to_keep=width - offset,
+            use_cache=False,
+        ).logits
+        targets = input_ids[:, offset + 1 :].to(device)
+        lp = token_logprobs(logits[:, :-1], targets, temperature)  # lp[:, j] is the token at offset+1+j
+        for row, i in enumerate(batch):
+            first = len(prompt_ids[i]) - 1 - offset
+            results[i] = lp[row, first : first + len(completion_ids[i])]
+    return results

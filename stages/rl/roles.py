@@ -1,0 +1,61 @@
+"""What an RL recipe is handed: its roles behind one interface, its prompts, and a step hook.
+
+The recipe (stages/grpo.py) says *what* happens in a step; fabric/ decides *where* each role
+runs (policy ranks and vLLM engines as Ray actors on placement groups) and implements
+``RLRoles`` on top of them. Keeping the protocol here keeps stages free of placement.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Callable, Optional, Protocol
+
+from .types import Completion, RolloutSample, SamplingSpec
+
+if TYPE_CHECKING:
+    from ..job import JobSpec
+
+
+class RLRoles(Protocol):
+    policy_size: int  # data-parallel policy ranks; an update needs at least one sample each
+
+    def generate(self, prompt_ids: list[list[int]], sampling: SamplingSpec) -> list[Completion]:
+        """``sampling.n`` completions per prompt from the rollout backend (vLLM engines or HF)."""
+
+    def policy_logprobs(self, samples: list[RolloutSample]) -> list[list[float]]:
+        """The policy's current per-token log-probs of each completion (no gradient)."""
+
+    def reference_logprobs(self, samples: list[RolloutSample]) -> list[list[float]]:
+        """The frozen reference's per-token log-probs (only when beta > 0)."""
+
+    def update(self, samples: list[RolloutSample], normalizer: float) -> dict[str, float]:
+        """One optimizer step of the policy over the samples, split across its ranks; every part's
+        loss is divided by the whole step's ``normalizer`` (algorithms.loss_normalizer)."""
+
+    def sync_weights(self) -> dict[str, float]:
+        """Push the policy's weights into the rollout engines (a no-op for the HF backend)."""
+
+    def save(self, output_dir: str) -> None:
+        """Write the trained adapter or model and the tokenizer into output_dir."""
+
+
+@dataclass
+class PromptRow:
+    """One tokenized prompt: the template's ids up to the generation prompt, the reference
+    answer as text (the dataset's response; "" when there is none) and any extra columns."""
+
+    input_ids: list[int]
+    prompt_text: str
+    reference: str = ""
+    columns: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class RLRun:
+    spec: "JobSpec"
+    roles: RLRoles
+    prompts: list[PromptRow]
+    tokenizer: Any
+    template: Any
+    eval_prompts: list[PromptRow] = field(default_factory=list)
+    on_log: Optional[Callable[[dict], None]] = None  # each logged record, for the console

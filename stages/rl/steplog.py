@@ -1,0 +1,63 @@
+"""Per-step bookkeeping of RL recipes: phase timings and trainer_log.jsonl records.
+
+The log has the same shape as the other stages' (``current_steps``, ``total_steps``,
+``elapsed_time``, ``remaining_time``, ``loss``, ``lr``...), so plots, the console and the web UI
+read RL runs like any other.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import time
+
+from ..callbacks import LOG_FILE
+
+
+class PhaseTimer:
+    """``with timer("generate"): ...`` adds the block's seconds under ``time/generate``."""
+
+    def __init__(self):
+        self.seconds: dict[str, float] = {}
+
+    @contextlib.contextmanager
+    def __call__(self, phase: str):
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            key = f"time/{phase}"
+            self.seconds[key] = self.seconds.get(key, 0.0) + time.perf_counter() - start
+
+
+def write_results(output_dir: str, metrics: dict) -> str:
+    """all_results.json, as the Trainer-based stages write it."""
+    path = os.path.join(output_dir, "all_results.json")
+    with open(path, "w", encoding="utf-8") as f:
+        json.dump(metrics, f, indent=2)
+    return path
+
+
+class StepLog:
+    """Appends one JSON line per logged step to output_dir/trainer_log.jsonl (a new run starts it empty)."""
+
+    def __init__(self, output_dir: str, total_steps: int):
+        self.path = os.path.join(output_dir, LOG_FILE)
+        self.total_steps = total_steps
+        self.start = time.time()
+        os.makedirs(output_dir, exist_ok=True)
+        open(self.path, "w").close()
+
+    def write(self, step: int, values: dict) -> dict:
+        elapsed = time.time() - self.start
+        record = {
+            "current_steps": step,
+            "total_steps": self.total_steps,
+            "elapsed_time": round(elapsed, 3),
+            "remaining_time": round((self.total_steps - step) * elapsed / step, 3) if step else None,
+            **{k: (round(v, 6) if isinstance(v, float) else v) for k, v in values.items()},
+        }
+        with open(self.path, "a", encoding="utf-8") as f:
+            f.write(json.dumps(record) + "\n")
+        return record

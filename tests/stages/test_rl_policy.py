@@ -1,0 +1,88 @@
+"""The policy role without Ray: an update's gradient does not depend on how the batch is split into
+micro-batches, the HF rollout backend reports the model's own log-probs, and tiny-model names carry
+shape options (vLLM needs head size >= 32)."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import torch
+
+from cluster.config import load_config
+from registries.errors import UserError
+from stages.loading import parse_tiny_name, resolve_model_path
+from stages.rl.hf_rollout import hf_generate
+from stages.rl.logprobs import completion_logprobs
+from stages.rl.policy import PolicyWorker
+from stages.rl.types import RolloutSample, SamplingSpec
+from stages.rl.algorithms import loss_normalizer
+
+DATA_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "data")
+
+
+def policy(tmp_path, **overrides) -> PolicyWorker:
+    config = {"model_name_or_path": "tiny:qwen2", "template": "qwen", "stage": "grpo", "finetuning_type": "full",
+              "dataset": "arith_train", "dataset_dir": DATA_DIR, "output_dir": str(tmp_path / "out"),
+              "reward_funcs": ["exact_match"], "rollout_backend": "hf", "learning_rate": 1e-3,
+              "max_grad_norm": 0.0, "seed": 3}
+    config.update(overrides)
+    worker = PolicyWorker(load_config(config).job_spec())
+    worker.setup(0, 1, total_updates=10)
+    return worker
+
+
+def samples() -> list[RolloutSample]:
+    generator = torch.Generator().manual_seed(0)
+    out = []
+    for i in range(7):  # 7 does not divide by the micro-batch sizes below: uneven parts
+        prompt = torch.randint(5, 200, (3 + i % 3,), generator=generator).tolist()
+        completion = torch.randint(5, 200, (2 + i % 4,), generator=generator).tolist()
+        out.append(RolloutSample(prompt, completion, group=i // 2, advantage=float(i % 3) - 1.0))
+    return out
+
+
+@pytest.mark.parametrize("loss_type", ["dapo", "grpo", "dr_grpo"])
+def test_one_update_is_the_same_for_any_micro_batch_size(tmp_path, loss_type):
+    """A huge adam_epsilon makes Adam's first step proportional to the gradient, so equal steps
+    mean equal gradients (a plain Adam step is sign-like and would hide a wrongly scaled one)."""
+    batch = samples()
+    norm = loss_normalizer(loss_type, [len(s.completion_ids) for s in batch], 32)
+    steps = []
+    for micro in (2, 3, 16):
+        worker = policy(tmp_path, per_device_train_batch_size=micro, adam_epsilon=1e3, loss_type=loss_type)
+        before = [p.detach().clone() for p in worker.model.parameters()]
+        report = worker.update(batch, norm)
+        assert report["num_samples"] == 7
+        steps.append(torch.cat([(p.detach() - b).flatten() for p, b in zip(worker.model.parameters(), before)]))
+    scale = steps[-1].abs().max()
+    assert scale > 0
+    for step in steps[:-1]:
+        assert (step - steps[-1]).abs().max() / scale < 1e-5
+
+
+def test_hf_backend_samples_n_per_prompt_and_reports_the_models_log_probs(tmp_path):
+    worker = policy(tmp_path)
+    prompts = [[1, 20, 30, 40], [1, 50]]
+    stop = worker.template.stop_token_ids(worker.tokenizer)
+    completions = hf_generate(worker.model, prompts, SamplingSpec(n=3, temperature=1.0, max_tokens=6,
+                                                                  stop_token_ids=tuple(stop)), worker.pad_token_id)
+    assert [c.prompt_index for c in completions] == [0, 0, 0, 1, 1, 1]
+    for c in completions:
+        assert 1 <= len(c.token_ids) <= 6 and len(c.logprobs) == len(c.token_ids)
+        assert (c.finish_reason == "stop") == (c.token_ids[-1] in stop)
+    expected = completion_logprobs(worker.model, [prompts[c.prompt_index] for c in completions],
+                                   [c.token_ids for c in completions], worker.pad_token_id)
+    for c, e in zip(completions, expected):
+        assert torch.allclose(torch.tensor(c.logprobs), e, atol=1e-5)
+
+
+def test_tiny_names_carry_shape_options():
+    assert parse_tiny_name("tiny:qwen2") == ("qwen2", {})
+    assert parse_tiny_name("tiny:qwen2,num_heads=2,hidden_size=128") == ("qwen2", {"num_heads": 2, "hidden_size": 128})
+    with open(os.path.join(resolve_model_path("tiny:qwen2,num_heads=2"), "config.json")) as f:
+        config = json.load(f)
+    assert config["hidden_size"] // config["num_attention_heads"] == 32
+    with pytest.raises(UserError, match=r"'heads=2' is not a tiny-model option.*num_heads"):
+        parse_tiny_name("tiny:qwen2,heads=2")
