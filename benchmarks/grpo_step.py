@@ -37,7 +37,7 @@ SETTINGS = {
     "hf-lora": dict(rollout_backend="hf"),  # transformers generate inside the policy worker; nothing to sync
     "vllm-full": dict(rollout_backend="vllm", finetuning_type="full"),  # the reference: a frozen copy
 }
-PHASES = ("generate", "reward", "reference", "update", "sync")
+PHASES = ("generate", "reward", "reference", "old_logprobs", "update", "sync")
 ROLES = {"policy": "ray::PolicyActor", "rollout": "ray::RolloutActor"}  # Ray's process titles
 POLL_S = 0.2
 COLUMNS = [("setting", "setting", "{}"), ("steps", "steps", "{}"), ("s / step", "step_s", "{:.3f}"),
