@@ -396,6 +396,36 @@ def _check_rl(run: RunConfig, where: typing.Callable[[str], str]) -> None:
             f"quantization_bit in {where('quantization_bit')}: QLoRA policies cannot yet be synced into the "
             f"rollout engines of stage {run.finetuning.stage}. Remove quantization_bit."
         )
+    options = run.training.values
+    if options.get("fp16"):
+        raise ConfigError(
+            f"fp16 in {where('fp16')}: the RL policy trains without a loss scaler, and Adam on float16 weights "
+            "turns untouched weights into NaN. Use bf16: true (GPUs from Ampere on) or float32 (remove fp16)."
+        )
+    if options.get("lr_scheduler_type") == "reduce_lr_on_plateau":
+        raise ConfigError(
+            f"lr_scheduler_type reduce_lr_on_plateau in {where('lr_scheduler_type')} needs an eval loss, which "
+            f"stage {run.finetuning.stage} does not have. Use constant, linear or cosine."
+        )
+    # Sampling: LLaMA-Factory's chat defaults (temperature 0.95, top_p 0.7, top_k 50) would make the
+    # policy learn from a truncated distribution; RL samples from the model itself unless told otherwise.
+    for key, value in (("temperature", 1.0), ("top_p", 1.0), ("top_k", 0)):
+        if key not in run.raw:
+            setattr(run.generating, key, value)
+    if run.generating.temperature <= 0:
+        raise ConfigError(
+            f"temperature {run.generating.temperature} in {where('temperature')}: greedy rollouts make every "
+            "completion of a prompt the same, so no group has anything to compare. Use temperature: 1.0 "
+            "(or 0.6-1.0)."
+        )
+    completions, ranks = run.rl.completions_per_step, run.ray.ray_num_workers
+    if completions < ranks:
+        raise ConfigError(
+            f"rollout_batch_size {run.rl.rollout_batch_size} x num_generations {run.rl.num_generations} = "
+            f"{completions} completions a step cannot be shared by ray_num_workers {ranks} policy workers "
+            f"(each needs at least one). Raise rollout_batch_size (in {where('rollout_batch_size')}) or lower "
+            "ray_num_workers."
+        )
 
 
 def _absolute(path: str) -> str:

@@ -24,6 +24,10 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
+# An engine sharing the policy's GPUs may take this much of each (KV cache included) unless the
+# config says vllm_gpu_memory_utilization: the policy, its optimizer and activations need the rest.
+COLOCATED_GPU_SHARE = 0.4
+
 
 @dataclass
 class RLResult:
@@ -92,6 +96,8 @@ def _start_engines(spec: JobSpec, ray_args: RayArguments, placement):
         max_model_len=rl.vllm_max_model_len or spec.data.cutoff_len + rl.max_completion_length,
         seed=spec.training.seed,
         tensor_parallel_size=ray_args.rollout_tensor_parallel_size,
+        gpu_memory_utilization=rl.vllm_gpu_memory_utilization or (
+            COLOCATED_GPU_SHARE if ray_args.colocate_rollout and ray_args.uses_gpu else None),
     )
     engines = ActorGroup(RolloutActor, placement, config, env_vars=engine_runtime_env()["env_vars"], name="rollout")
     return engines, ObjectStoreSync()

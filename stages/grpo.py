@@ -41,6 +41,10 @@ def run_grpo(run: RLRun) -> dict:
     log = StepLog(options.output_dir, total_steps)
     batches = prompt_batches(run.prompts, rl.rollout_batch_size, options.seed)
     evaluate = _evaluator(run, rewards, sampling)
+    log_every = every(options.logging_steps, total_steps) or 1
+    # eval_strategy steps: every eval_steps (default: logging_steps), as the Trainer does; else at the end.
+    eval_every = every(options.eval_steps or options.logging_steps, total_steps) if options.eval_strategy == "steps" else 0
+    evaluated = False
 
     roles.sync_weights()  # the engines start from the policy's weights (a loaded adapter, a warm start)
     first_eval = evaluate()
@@ -74,12 +78,13 @@ def run_grpo(run: RLRun) -> dict:
             values["skipped_update"] = 1
         with timer("sync"):
             values.update(roles.sync_weights())
-        if options.eval_strategy == "steps" and options.eval_steps and step % int(options.eval_steps) == 0:
+        evaluated = eval_every and step % eval_every == 0
+        if evaluated:
             values.update(evaluate())
         values.update(timer.seconds)
-        if step % max(1, int(options.logging_steps)) == 0 or step == total_steps:
+        if step % log_every == 0 or step == total_steps:
             _emit(run, log.write(step, values))
-    final = evaluate() if run.eval_prompts and options.eval_strategy != "steps" else {}
+    final = evaluate() if run.eval_prompts and not evaluated else {}  # the trained policy, unless just done
     if final:
         _emit(run, log.write(total_steps, final))
     roles.save(options.output_dir)
@@ -100,11 +105,17 @@ def _update(roles, samples: list[RolloutSample], rl, temperature: float, timer: 
         with timer("reference"):
             for sample, ref in zip(samples, roles.reference_logprobs(samples)):
                 sample.ref_logprobs = ref
-    with timer("old_logprobs"):  # the policy that sampled: the ratio's denominator, and a check on the sync
-        for sample, old in zip(samples, roles.policy_logprobs(samples)):
-            sample.old_logprobs = old
-    if temperature == 1.0:  # the sampler reports raw log-probs; the policy's are at this temperature
-        checks = _rollout_logprob_gap(samples)
+    # The sampling policy's log-probs: the ratio's denominator when the batch is reused
+    # (num_iterations > 1; with one update the current log-probs, detached, are exact), and at
+    # temperature 1 (where the sampler reports the same quantity) a check on the weight sync.
+    if rl.num_iterations > 1 or temperature == 1.0:
+        with timer("old_logprobs"):
+            old = roles.policy_logprobs(samples)
+        if rl.num_iterations > 1:
+            for sample, logprobs in zip(samples, old):
+                sample.old_logprobs = logprobs
+        if temperature == 1.0:
+            checks = _rollout_logprob_gap(samples, old)
     normalizer = loss_normalizer(rl.loss_type, [len(s.completion_ids) for s in samples], rl.max_completion_length)
     metrics: dict = {}
     with timer("update"):
@@ -113,11 +124,12 @@ def _update(roles, samples: list[RolloutSample], rl, temperature: float, timer: 
     return {**metrics, **checks}
 
 
-def _rollout_logprob_gap(samples: list[RolloutSample]) -> dict:
+def _rollout_logprob_gap(samples: list[RolloutSample], policy_logprobs: list[list[float]]) -> dict:
     """How far the sampler's log-probs are from the policy's for the same tokens. Near 0 (float
     noise) when the engines serve the policy's current weights; a failed or skipped weight sync,
     or a precision mismatch, shows here first (verl's rule of thumb: investigate above ~0.01)."""
-    gaps = [abs(a - b) for s in samples if s.rollout_logprobs for a, b in zip(s.rollout_logprobs, s.old_logprobs)]
+    gaps = [abs(a - b) for s, mine in zip(samples, policy_logprobs) if s.rollout_logprobs
+            for a, b in zip(s.rollout_logprobs, mine)]
     return {"rollout_logprob_diff": sum(gaps) / len(gaps), "rollout_logprob_diff_max": max(gaps)} if gaps else {}
 
 
@@ -183,6 +195,13 @@ def _evaluator(run: RLRun, rewards: RewardSet, sampling: SamplingSpec):
         return out
 
     return evaluate
+
+
+def every(value, total_steps: int) -> int:
+    """A step interval as the trainer options give it: N steps, or a fraction (< 1) of the run."""
+    if not value:
+        return 0
+    return max(1, math.ceil(value * total_steps)) if value < 1 else int(value)
 
 
 def count_steps(num_prompts: int, rollout_batch_size: int, options) -> int:

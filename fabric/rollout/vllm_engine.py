@@ -75,6 +75,7 @@ class VLLMEngineConfig:
     seed: int = 0
     tensor_parallel_size: int = 1
     weight_transfer: Optional[str] = None
+    gpu_memory_utilization: Optional[float] = None  # GPU engines only; None: vLLM's default
 
 
 class VLLMEngine:
@@ -90,6 +91,8 @@ class VLLMEngine:
         extra = {}
         if config.weight_transfer:
             extra["weight_transfer_config"] = {"backend": config.weight_transfer}
+        if config.gpu_memory_utilization is not None:
+            extra["gpu_memory_utilization"] = config.gpu_memory_utilization
         self.llm = LLM(
             model=str(config.model_path),
             dtype=config.dtype,

@@ -44,6 +44,9 @@ class RLArguments:
     vllm_kv_cache_gib: float = 0.25  # KV cache per engine; on CPU it must be set (the default takes RAM)
     vllm_enforce_eager: bool = True  # skip graph capture / torch.compile (~40 s on CPU)
     vllm_max_model_len: Optional[int] = None  # None: cutoff_len + max_completion_length
+    # GPU share an engine may take; None: vLLM's 0.9 on bundles of its own, 0.4 when colocated with
+    # the policy (vLLM checks at start that this much of the GPU is free, after the policy loaded).
+    vllm_gpu_memory_utilization: Optional[float] = None
 
     def __post_init__(self) -> None:
         for name in ("rollout_batch_size", "num_generations", "max_completion_length", "num_iterations"):

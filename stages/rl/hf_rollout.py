@@ -42,8 +42,11 @@ def hf_generate(model, prompt_ids: list[list[int]], sampling: SamplingSpec, pad_
             output_logits=True,  # raw logits, before temperature and top-p: the engines report the same
         )
         new_tokens = out.sequences[:, width:]
-        logprobs = torch.stack(out.logits, dim=1).float().log_softmax(-1)
-        chosen = logprobs.gather(-1, new_tokens.unsqueeze(-1)).squeeze(-1)
+        # One step at a time: a [batch, steps, vocab] float32 stack would not fit for real vocabularies.
+        chosen = torch.stack([
+            logits.float().log_softmax(-1).gather(-1, new_tokens[:, k, None]).squeeze(-1)
+            for k, logits in enumerate(out.logits)
+        ], dim=1)
         for row, (prompt_index, _) in enumerate(chunk):
             tokens = new_tokens[row].tolist()
             end = next((k + 1 for k, t in enumerate(tokens) if t in stop), None)

@@ -77,7 +77,8 @@ class PolicyWorker:
         warmup = options.warmup_steps
         warmup = int(warmup * total_updates) if 0 < warmup < 1 else int(warmup)  # a ratio, as in transformers 5
         self.scheduler = get_scheduler(
-            options.lr_scheduler_type, self.optimizer, num_warmup_steps=warmup, num_training_steps=total_updates
+            options.lr_scheduler_type, self.optimizer, num_warmup_steps=warmup, num_training_steps=total_updates,
+            scheduler_specific_kwargs=_scheduler_kwargs(options.lr_scheduler_kwargs),
         )
         trainable, total = count_parameters(self.model)
         return {"trainable_params": trainable, "total_params": total, "reference": self.reference.kind}
@@ -132,6 +133,7 @@ class PolicyWorker:
                 loss, metrics = self._chunk_loss(chunk, normalizer)
                 (loss * self.dp_size).backward()  # DDP averages over ranks; the loss is already a global share
             weight = len(chunk)
+            metrics.pop("num_tokens", None)  # a per-micro-batch count: meaningless once merged
             for key, value in {"loss": loss.item() * self.dp_size, **metrics}.items():
                 totals[key] = totals.get(key, 0.0) + value * (1 if key == "loss" else weight)
         grad_norm = None
@@ -186,6 +188,15 @@ class PolicyWorker:
         self.tokenizer.chat_template = to_jinja(self.template, self.tokenizer)  # serving formats prompts as training did
         self.tokenizer.save_pretrained(output_dir)
         return output_dir
+
+
+def _scheduler_kwargs(value) -> Optional[dict]:
+    """lr_scheduler_kwargs as transformers takes it: a dict, or its JSON text."""
+    if isinstance(value, str):
+        import json
+
+        value = json.loads(value) if value.strip() else None
+    return value or None
 
 
 def _ids(samples: list[RolloutSample]) -> tuple[list[list[int]], list[list[int]]]:

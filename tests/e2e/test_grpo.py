@@ -18,6 +18,7 @@ from cluster.config import ConfigError, load_config
 from cluster.driver import run_exp
 from fabric.placement import PlacementError
 from stages.callbacks import read_log
+from stages.grpo import every
 from tests.e2e.conftest import DATA_DIR, example_config
 
 STEP_KEYS = ("reward", "reward_std", "kl", "clip_fraction", "pass_rate", "completion_length", "rewards/digit_ratio",
@@ -85,7 +86,7 @@ def test_grpo_hf_backend_full_finetuning_learns_a_user_reward(ray_session, tmp_p
         "dataset": "arith_train", "dataset_dir": DATA_DIR, "cutoff_len": 64, "output_dir": str(out),
         "reward_funcs": ["tests.e2e.test_grpo:digit_share"], "rollout_backend": "hf", "beta": 0.01,
         "num_generations": 8, "rollout_batch_size": 8, "max_completion_length": 8, "max_steps": 30,
-        "learning_rate": 3.0e-3, "lr_scheduler_type": "constant", "temperature": 1.0, "top_p": 1.0,
+        "learning_rate": 3.0e-3, "lr_scheduler_type": "constant", "temperature": 1.0, "top_p": 1.0, "top_k": 50,
         "logging_steps": 1, "ray_num_workers": 1, "seed": 1,
     })
     rewards = _rewards(result.output_dir)
@@ -107,12 +108,28 @@ def _grpo(tmp_path, **overrides) -> dict:
     ({"reward_funcs": ["no_such_module_xyz:score"]}, ["reward_funcs", "no_such_module_xyz"]),
     ({"reward_funcs": ["exact_match"], "reward_weights": [1.0, 2.0]}, ["reward_weights", "one weight per function"]),
     ({"deepspeed": os.path.join(DATA_DIR, "..", "configs", "deepspeed", "ds_z2_config.json")}, ["deepspeed", "DDP"]),
+    ({"fp16": True}, ["fp16", "NaN", "bf16"]),
+    ({"temperature": 0}, ["temperature", "greedy"]),
+    ({"ray_num_workers": 40}, ["32 completions", "ray_num_workers 40", "rollout_batch_size"]),
+    ({"lr_scheduler_type": "reduce_lr_on_plateau"}, ["reduce_lr_on_plateau", "eval loss"]),
 ])
 def test_grpo_config_mistakes_are_named_before_anything_starts(tmp_path, overrides, words):
     with pytest.raises(ConfigError) as info:
         load_config(_grpo(tmp_path, **overrides))
     for word in words:
         assert word in str(info.value), (word, str(info.value))
+
+
+def test_rl_samples_from_the_model_itself_unless_the_config_says_otherwise(tmp_path):
+    """LLaMA-Factory's chat defaults (temperature 0.95, top_p 0.7, top_k 50) are not RL's."""
+    generating = load_config(_grpo(tmp_path)).generating
+    assert (generating.temperature, generating.top_p, generating.top_k) == (1.0, 1.0, 0)
+    generating = load_config(_grpo(tmp_path, temperature=0.7, top_p=0.9)).generating
+    assert (generating.temperature, generating.top_p, generating.top_k) == (0.7, 0.9, 0)
+
+
+def test_step_intervals_read_like_the_trainers():
+    assert [every(v, 50) for v in (None, 0, 10, 0.1, 0.5)] == [0, 0, 10, 5, 25]
 
 
 def test_an_impossible_rollout_placement_fails_at_once_naming_the_role(ray_session, tmp_path):
