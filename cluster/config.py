@@ -13,7 +13,6 @@ import difflib
 import json
 import os
 import re
-import sys
 import typing
 from dataclasses import dataclass, field
 from functools import lru_cache
@@ -39,6 +38,7 @@ from stages.table import UnknownStageError, get_stage
 from .config_types import ConfigError, bool_word, coerce_key
 from .extras import check_extras
 from .lf_compat import apply_lf_compat
+from .rl_checks import check_rl
 from .training_checks import check_training_options
 
 RESOLVED_CONFIG_NAME = "rayfactory_config.yaml"
@@ -295,7 +295,7 @@ def _check_and_resolve(run: RunConfig, where: typing.Callable[[str], str]) -> No
         raise ConfigError(f"{exc} Change stage in {where('stage')}.") from None
     is_rl = stage.launch == "rl_controller"
     if is_rl:
-        _check_rl(run, where)
+        check_rl(run, where)
     if not model.model_name_or_path:
         raise ConfigError(
             f"model_name_or_path is missing in {where('model_name_or_path')}. Set it to a model folder "
@@ -366,66 +366,6 @@ def _check_and_resolve(run: RunConfig, where: typing.Callable[[str], str]) -> No
     for obj, name in adapter_lists:
         if getattr(obj, name):
             setattr(obj, name, [_absolute_if_local(p) for p in getattr(obj, name)])
-
-
-def _check_rl(run: RunConfig, where: typing.Callable[[str], str]) -> None:
-    """Rules of the RL stages, whose policy trains in RayFactory's own loop (no HF Trainer)."""
-    from stages.rl.rewards import RewardFunctionError, load_reward_funcs
-
-    try:
-        run.rl.check_for_stage(run.finetuning.stage)
-    except ArgumentError as exc:
-        raise ConfigError(f"invalid {exc.key} in {where(exc.key)}: {exc}") from None
-    # "my_rewards:score" names a module in the directory the run starts from, as `python -m` would
-    # find it (the rayfactory script's own sys.path lacks that directory). The reward functions
-    # run in this process, the controller's: loading them now fails a typo before Ray starts.
-    if os.getcwd() not in sys.path:
-        sys.path.insert(0, os.getcwd())
-    try:
-        load_reward_funcs(run.rl.reward_funcs, run.rl.reward_weights)
-    except RewardFunctionError as exc:
-        raise ConfigError(f"reward_funcs in {where('reward_funcs')}: {exc}") from None
-    if run.training.values.get("deepspeed"):
-        raise ConfigError(
-            f"deepspeed in {where('deepspeed')}: stage {run.finetuning.stage} trains its policy with DDP across "
-            "ray_num_workers; DeepSpeed ZeRO for RL policies is not built yet. Remove deepspeed (use LoRA or "
-            "more workers to fit the model)."
-        )
-    if run.model.quantization_bit:
-        raise ConfigError(
-            f"quantization_bit in {where('quantization_bit')}: QLoRA policies cannot yet be synced into the "
-            f"rollout engines of stage {run.finetuning.stage}. Remove quantization_bit."
-        )
-    options = run.training.values
-    if options.get("fp16"):
-        raise ConfigError(
-            f"fp16 in {where('fp16')}: the RL policy trains without a loss scaler, and Adam on float16 weights "
-            "turns untouched weights into NaN. Use bf16: true (GPUs from Ampere on) or float32 (remove fp16)."
-        )
-    if options.get("lr_scheduler_type") == "reduce_lr_on_plateau":
-        raise ConfigError(
-            f"lr_scheduler_type reduce_lr_on_plateau in {where('lr_scheduler_type')} needs an eval loss, which "
-            f"stage {run.finetuning.stage} does not have. Use constant, linear or cosine."
-        )
-    # Sampling: LLaMA-Factory's chat defaults (temperature 0.95, top_p 0.7, top_k 50) would make the
-    # policy learn from a truncated distribution; RL samples from the model itself unless told otherwise.
-    for key, value in (("temperature", 1.0), ("top_p", 1.0), ("top_k", 0)):
-        if key not in run.raw:
-            setattr(run.generating, key, value)
-    if run.generating.temperature <= 0:
-        raise ConfigError(
-            f"temperature {run.generating.temperature} in {where('temperature')}: greedy rollouts make every "
-            "completion of a prompt the same, so no group has anything to compare. Use temperature: 1.0 "
-            "(or 0.6-1.0)."
-        )
-    completions, ranks = run.rl.completions_per_step, run.ray.ray_num_workers
-    if completions < ranks:
-        raise ConfigError(
-            f"rollout_batch_size {run.rl.rollout_batch_size} x num_generations {run.rl.num_generations} = "
-            f"{completions} completions a step cannot be shared by ray_num_workers {ranks} policy workers "
-            f"(each needs at least one). Raise rollout_batch_size (in {where('rollout_batch_size')}) or lower "
-            "ray_num_workers."
-        )
 
 
 def _absolute(path: str) -> str:

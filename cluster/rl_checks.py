@@ -1,0 +1,74 @@
+"""Config rules of the RL stages (stage table launch rl_controller), checked on the driver before Ray starts.
+
+Their policy trains in RayFactory's own loop, not an HF Trainer, so some trainer options do not
+apply, and sampling and reward functions are part of the config."""
+
+from __future__ import annotations
+
+import os
+import sys
+from typing import Callable
+
+from registries.errors import ArgumentError
+
+from .config_types import ConfigError
+
+
+def check_rl(run, where: Callable[[str], str]) -> None:
+    """Rules of the RL stages, whose policy trains in RayFactory's own loop (no HF Trainer)."""
+    from stages.rl.rewards import RewardFunctionError, load_reward_funcs
+
+    try:
+        run.rl.check_for_stage(run.finetuning.stage)
+    except ArgumentError as exc:
+        raise ConfigError(f"invalid {exc.key} in {where(exc.key)}: {exc}") from None
+    # "my_rewards:score" names a module in the directory the run starts from, as `python -m` would
+    # find it (the rayfactory script's own sys.path lacks that directory). The reward functions
+    # run in this process, the controller's: loading them now fails a typo before Ray starts.
+    if os.getcwd() not in sys.path:
+        sys.path.insert(0, os.getcwd())
+    try:
+        load_reward_funcs(run.rl.reward_funcs, run.rl.reward_weights)
+    except RewardFunctionError as exc:
+        raise ConfigError(f"reward_funcs in {where('reward_funcs')}: {exc}") from None
+    if run.training.values.get("deepspeed"):
+        raise ConfigError(
+            f"deepspeed in {where('deepspeed')}: stage {run.finetuning.stage} trains its policy with DDP across "
+            "ray_num_workers; DeepSpeed ZeRO for RL policies is not built yet. Remove deepspeed (use LoRA or "
+            "more workers to fit the model)."
+        )
+    if run.model.quantization_bit:
+        raise ConfigError(
+            f"quantization_bit in {where('quantization_bit')}: QLoRA policies cannot yet be synced into the "
+            f"rollout engines of stage {run.finetuning.stage}. Remove quantization_bit."
+        )
+    options = run.training.values
+    if options.get("fp16"):
+        raise ConfigError(
+            f"fp16 in {where('fp16')}: the RL policy trains without a loss scaler, and Adam on float16 weights "
+            "turns untouched weights into NaN. Use bf16: true (GPUs from Ampere on) or float32 (remove fp16)."
+        )
+    if options.get("lr_scheduler_type") == "reduce_lr_on_plateau":
+        raise ConfigError(
+            f"lr_scheduler_type reduce_lr_on_plateau in {where('lr_scheduler_type')} needs an eval loss, which "
+            f"stage {run.finetuning.stage} does not have. Use constant, linear or cosine."
+        )
+    # Sampling: LLaMA-Factory's chat defaults (temperature 0.95, top_p 0.7, top_k 50) would make the
+    # policy learn from a truncated distribution; RL samples from the model itself unless told otherwise.
+    for key, value in (("temperature", 1.0), ("top_p", 1.0), ("top_k", 0)):
+        if key not in run.raw:
+            setattr(run.generating, key, value)
+    if run.generating.temperature <= 0:
+        raise ConfigError(
+            f"temperature {run.generating.temperature} in {where('temperature')}: greedy rollouts make every "
+            "completion of a prompt the same, so no group has anything to compare. Use temperature: 1.0 "
+            "(or 0.6-1.0)."
+        )
+    completions, ranks = run.rl.completions_per_step, run.ray.ray_num_workers
+    if completions < ranks:
+        raise ConfigError(
+            f"rollout_batch_size {run.rl.rollout_batch_size} x num_generations {run.rl.num_generations} = "
+            f"{completions} completions a step cannot be shared by ray_num_workers {ranks} policy workers "
+            f"(each needs at least one). Raise rollout_batch_size (in {where('rollout_batch_size')}) or lower "
+            "ray_num_workers."
+        )
