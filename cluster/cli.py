@@ -1,4 +1,4 @@
-"""The ``rayfactory`` command: train, env, version, templates.
+"""The ``rayfactory`` command: train, chat, export, serve (alias api), env, version, templates.
 
 Heavy imports (torch, transformers, Ray, the driver) happen inside the subcommand that needs
 them, so ``rayfactory version`` and ``rayfactory templates`` answer at once.
@@ -47,6 +47,28 @@ def build_parser() -> argparse.ArgumentParser:
                             "output_dir/rayfactory.log)")
     train.set_defaults(handler=_train)
 
+    chat = commands.add_parser("chat", help="talk to a model or a trained output in the terminal (streaming)")
+    chat.add_argument("config", help="YAML with model_name_or_path (+ adapter_name_or_path, template, generation keys)")
+    chat.add_argument("overrides", nargs="*", metavar="key=value", help="override config keys, e.g. temperature=0")
+    chat.set_defaults(handler=_lazy("cluster.chat_cli", "run_chat"))
+
+    export = commands.add_parser("export", help="merge LoRA adapters into the base and write a standalone model")
+    export.add_argument("config", help="YAML with model_name_or_path, adapter_name_or_path and export_dir")
+    export.add_argument("overrides", nargs="*", metavar="key=value", help="override config keys, e.g. export_size=2")
+    export.set_defaults(handler=_lazy("cluster.export_cli", "run_export"))
+
+    for name in ("serve", "api"):
+        serve = commands.add_parser(
+            name, help="serve the model on an OpenAI-compatible HTTP endpoint (Ray Serve)" if name == "serve"
+            else "the same as serve (LLaMA-Factory's name)")
+        serve.add_argument("config", help="YAML with the model, adapters (lora_modules) and serve keys")
+        serve.add_argument("overrides", nargs="*", metavar="key=value", help="override config keys")
+        serve.add_argument("--host", help="address to listen on (default: API_HOST, api_host, 127.0.0.1)")
+        serve.add_argument("--port", type=int, help="port to listen on (default: API_PORT, api_port, 8000)")
+        serve.add_argument("--write-serve-config", metavar="PATH",
+                           help="write a Ray Serve config YAML for `serve run` / `serve deploy` and exit")
+        serve.set_defaults(handler=_lazy("cluster.serve.cli", "run_serve"))
+
     env = commands.add_parser("env", help="show package versions and what Ray sees")
     env.add_argument("--local", action="store_true", help="start a temporary local Ray if no cluster is reachable")
     env.set_defaults(handler=_env)
@@ -57,6 +79,25 @@ def build_parser() -> argparse.ArgumentParser:
     templates = commands.add_parser("templates", help="list the registered chat template names")
     templates.set_defaults(handler=_templates)
     return parser
+
+
+def _lazy(module: str, function: str):
+    """A handler imported when its subcommand runs (torch, Ray and vLLM load only then).
+    A user mistake inside it becomes one error paragraph and exit status 2."""
+
+    def handler(args: argparse.Namespace) -> int:
+        import importlib
+
+        try:
+            return getattr(importlib.import_module(module), function)(args)
+        except Exception as exc:  # noqa: BLE001 (only user errors are caught; the rest re-raises)
+            mistake = find_user_error(exc)
+            if mistake is None:
+                raise
+            print(f"rayfactory: error: {mistake}", file=sys.stderr)
+            return USER_ERROR_EXIT
+
+    return handler
 
 
 def _stages_help() -> str:

@@ -32,6 +32,8 @@ from stages.args import (
     trainer_fields,
 )
 from stages.job import JobSpec
+from stages.inference.args import ExportArguments, InferenceArguments
+from stages.inference.loading import InferenceSpec
 from stages.rl.args import RLArguments
 from stages.table import UnknownStageError, get_stage
 
@@ -39,6 +41,7 @@ from .config_types import ConfigError, bool_word, coerce_key
 from .extras import check_extras
 from .lf_compat import apply_lf_compat
 from .rl_checks import check_rl
+from .serve.args import ServeArguments
 from .training_checks import check_training_options
 
 RESOLVED_CONFIG_NAME = "rayfactory_config.yaml"
@@ -49,7 +52,13 @@ GROUPS: dict[str, type] = {
     "generating": GeneratingArguments,
     "ray": RayArguments,
     "rl": RLArguments,
+    "inference": InferenceArguments,
+    "export": ExportArguments,
+    "serve": ServeArguments,
 }
+# What a config is read for: a training run needs output_dir and trainer checks; chat, serve and
+# export read the same keys (a training YAML works) but need no output_dir.
+PURPOSES = ("train", "infer")
 
 
 
@@ -63,6 +72,9 @@ class RunConfig:
     training: TrainingOptions
     ray: RayArguments
     rl: RLArguments
+    inference: InferenceArguments = field(default_factory=InferenceArguments)
+    export: ExportArguments = field(default_factory=ExportArguments)
+    serve: ServeArguments = field(default_factory=ServeArguments)
     raw: dict[str, Any] = field(default_factory=dict)  # the keys as the user wrote them, overrides applied
     source: str = "the config dict"
     notes: list[str] = field(default_factory=list)  # LLaMA-Factory keys that were ignored or translated
@@ -71,6 +83,11 @@ class RunConfig:
         """The typed slices every process of the run receives (the same objects, not copies)."""
         return JobSpec(model=self.model, data=self.data, finetuning=self.finetuning, training=self.training,
                        rl=self.rl, generating=self.generating)
+
+    def inference_spec(self) -> InferenceSpec:
+        """The slice chat, serve, predict and export read."""
+        return InferenceSpec(model=self.model, data=self.data, finetuning=self.finetuning,
+                             generating=self.generating, inference=self.inference)
 
     def resolved(self) -> dict[str, Any]:
         """Every effective value, flat; ``load_config`` of this dict gives the same run."""
@@ -81,6 +98,8 @@ class RunConfig:
         out.update(dataclasses.asdict(self.generating))
         out.update(dataclasses.asdict(self.ray))
         out.update(dataclasses.asdict(self.rl))
+        for group in (self.inference, self.export, self.serve):
+            out.update(dataclasses.asdict(group))
         return out
 
     def write_yaml(self, path: str | os.PathLike | None = None) -> str:
@@ -94,8 +113,12 @@ class RunConfig:
         return path
 
 
-def load_config(path_or_dict: str | os.PathLike | dict | None = None, overrides: list[str] | None = None) -> RunConfig:
-    """Read, route, type-check and validate a config; ``overrides`` are ``key=value`` strings."""
+def load_config(path_or_dict: str | os.PathLike | dict | None = None, overrides: list[str] | None = None,
+                purpose: str = "train") -> RunConfig:
+    """Read, route, type-check and validate a config; ``overrides`` are ``key=value`` strings.
+    ``purpose`` "infer" (chat, serve, export) skips what only a training run needs."""
+    if purpose not in PURPOSES:
+        raise ValueError(f"purpose must be one of {PURPOSES}, got {purpose!r}")
     values, origin, source = _read_source(path_or_dict)
     for text in overrides or []:
         key, value = parse_override(text)
@@ -112,11 +135,14 @@ def load_config(path_or_dict: str | os.PathLike | dict | None = None, overrides:
         training=TrainingOptions(grouped["training"]),
         ray=_build("ray", grouped["ray"], origin, source),
         rl=_build("rl", grouped["rl"], origin, source),
+        inference=_build("inference", grouped["inference"], origin, source),
+        export=_build("export", grouped["export"], origin, source),
+        serve=_build("serve", grouped["serve"], origin, source),
         raw=raw,
         source=source,
         notes=notes,
     )
-    _check_and_resolve(run, lambda key: origin.get(key, source))
+    _check_and_resolve(run, lambda key: origin.get(key, source), purpose)
     return run
 
 
@@ -287,13 +313,13 @@ def _build(group: str, kwargs: dict[str, Any], origin: dict[str, str], source: s
 # --- rules across groups, and paths made absolute for workers on other machines -----------------
 
 
-def _check_and_resolve(run: RunConfig, where: typing.Callable[[str], str]) -> None:
+def _check_and_resolve(run: RunConfig, where: typing.Callable[[str], str], purpose: str = "train") -> None:
     model, tuning, data, training = run.model, run.finetuning, run.data, run.training.values
     try:
         stage = get_stage(tuning.stage)  # a stage whose recipe is not built yet is refused before any work
     except UnknownStageError as exc:
         raise ConfigError(f"{exc} Change stage in {where('stage')}.") from None
-    is_rl = stage.launch == "rl_controller"
+    is_rl = stage.launch == "rl_controller" and purpose == "train"
     if is_rl:
         check_rl(run, where)
     if not model.model_name_or_path:
@@ -307,6 +333,10 @@ def _check_and_resolve(run: RunConfig, where: typing.Callable[[str], str]) -> No
             f"lora (that is QLoRA), but finetuning_type is {tuning.finetuning_type!r}: quantized weights "
             "cannot be trained directly. Use finetuning_type: lora, or remove quantization_bit."
         )
+    _resolve_paths(run)
+    if purpose != "train":
+        check_extras({"quantization_bit": model.quantization_bit}, where)
+        return
     if not training.get("output_dir"):
         raise ConfigError(
             f"output_dir is missing in {where('output_dir')}. Set the folder that receives checkpoints, "
@@ -354,6 +384,17 @@ def _check_and_resolve(run: RunConfig, where: typing.Callable[[str], str]) -> No
     check_training_options(run.training, where)
     # Ray Train workers do not run in the driver's directory: hand them absolute paths.
     training["output_dir"] = _absolute(training["output_dir"])
+
+
+def _resolve_paths(run: RunConfig) -> None:
+    """Local paths made absolute: workers and Serve replicas do not run in this directory."""
+    model, tuning, data = run.model, run.finetuning, run.data
+    if run.training.values.get("output_dir"):
+        run.training.values["output_dir"] = _absolute(run.training.values["output_dir"])
+    if run.export.export_dir:
+        run.export.export_dir = _absolute(run.export.export_dir)
+    if run.inference.lora_modules:
+        run.inference.lora_modules = {k: _absolute_if_local(v) for k, v in run.inference.lora_modules.items()}
     if model.cache_dir:
         model.cache_dir = _absolute(model.cache_dir)
     if data.tokenized_path:

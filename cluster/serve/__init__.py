@@ -1,0 +1,1 @@
+"""`rayfactory serve` (alias `api`): an OpenAI-compatible Ray Serve application over ChatModel."""

@@ -1,0 +1,253 @@
+"""ChatModel: talk to a trained output (LLaMA-Factory's Python API, on our registries).
+
+    chat = ChatModel(spec)                     # or cluster.api.ChatModel({...} / "cfg.yaml")
+    chat.chat([{"role": "user", "content": "Hi"}])[0].response_text
+    for piece in chat.stream_chat(messages): print(piece, end="")
+
+Prompts are built by the training template (``template.encode_oneturn``), replies decoded by the
+training tokenizer; the engine (transformers or vLLM) only maps token ids to token ids. The sync
+methods run the async ones on a private event loop thread; servers call the async ones.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from dataclasses import dataclass, field, replace
+from typing import Any, AsyncIterator, Iterator, Optional
+
+from registries.errors import UserError
+from registries.templates.tools import FunctionCall
+
+from .engine import DecodingParams, Engine, GenerationRequest, TokenLogprob
+from .loading import InferenceSpec, load_hf_model, load_tokenizer_and_template
+
+# LLaMA-Factory's per-call generation keys, plus the OpenAI-style ones a server passes.
+GENERATION_KEYS = ("do_sample", "temperature", "top_p", "top_k", "max_new_tokens", "repetition_penalty", "seed")
+
+
+class ChatInputError(UserError):
+    """A conversation or setting a caller got wrong (servers answer it with a 400)."""
+
+
+@dataclass
+class Response:
+    """One reply (LLaMA-Factory's fields first)."""
+
+    response_text: str
+    response_length: int  # tokens generated
+    prompt_length: int
+    finish_reason: str  # "stop", "length" or "tool_calls"
+    index: int = 0
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: Optional[list[TokenLogprob]] = None
+    tool_calls: list[FunctionCall] = field(default_factory=list)
+
+
+@dataclass
+class ChatDelta:
+    """New text of reply ``index``; the last delta of a reply has ``finish_reason``."""
+
+    index: int
+    text: str
+    finish_reason: Optional[str] = None
+    logprobs: Optional[list[TokenLogprob]] = None
+    tokens: int = 0  # tokens behind this delta
+
+
+class ChatModel:
+    def __init__(self, spec: InferenceSpec, engine: Engine | None = None):
+        self.spec = spec
+        self.tokenizer, self.template = load_tokenizer_and_template(spec)
+        self.engine = engine or build_engine(spec, self.tokenizer, self.template)
+        self.stop_token_ids = tuple(self.template.stop_token_ids(self.tokenizer))
+        self._loop: asyncio.AbstractEventLoop | None = None
+
+    @property
+    def adapters(self) -> tuple[str, ...]:
+        return self.engine.adapters
+
+    # --- building a request ----------------------------------------------------------------
+
+    def prompt_ids(self, messages: list[dict], system: str | None = None, tools: str | None = None) -> list[int]:
+        """Token ids of the conversation up to the assistant's next turn, as training encodes it."""
+        if not messages or not isinstance(messages, list):
+            raise ChatInputError("messages must be a non-empty list of {role, content} turns ending on a user turn.")
+        try:
+            return self.template.encode_oneturn(
+                self.tokenizer, list(messages) + [{"role": "assistant", "content": ""}], system, tools
+            )[0]
+        except ValueError as exc:  # the template's own checks: roles out of order, bad tool JSON
+            raise ChatInputError(str(exc)) from None
+
+    def decoding(self, **settings: Any) -> DecodingParams:
+        """The config's generation settings with per-call overrides (None means: the config's).
+        temperature 0 means greedy, as OpenAI clients use it."""
+        gen = self.spec.generating
+        values = {"do_sample": gen.do_sample, "temperature": gen.temperature, "top_p": gen.top_p, "top_k": gen.top_k,
+                  "max_new_tokens": gen.max_new_tokens, "repetition_penalty": gen.repetition_penalty, "seed": None}
+        unknown = set(settings) - set(GENERATION_KEYS)
+        if unknown:
+            raise ChatInputError(f"unknown generation setting(s) {sorted(unknown)}; known: {', '.join(GENERATION_KEYS)}.")
+        values.update({k: v for k, v in settings.items() if v is not None})
+        if values["temperature"] is not None and values["temperature"] <= 0:
+            values["do_sample"] = False
+        if values["max_new_tokens"] < 1:
+            raise ChatInputError(f"max_new_tokens must be at least 1, got {values['max_new_tokens']}.")
+        return DecodingParams(stop_token_ids=self.stop_token_ids, **values)
+
+    def request(self, messages, system=None, tools=None, *, adapter=None, n=1, stop=(), logprobs=None,
+                **settings) -> GenerationRequest:
+        if adapter is not None and adapter not in self.engine.adapters:
+            raise ChatInputError(f"unknown adapter {adapter!r}; this model has {list(self.engine.adapters) or 'none'}.")
+        if n < 1:
+            raise ChatInputError(f"n must be at least 1, got {n}.")
+        params = replace(self.decoding(**settings), stop_strings=tuple(stop or ()))
+        return GenerationRequest(tuple(self.prompt_ids(messages, system, tools)), params, n, adapter, logprobs)
+
+    # --- async API (servers) ---------------------------------------------------------------
+
+    async def agenerate(self, messages, system=None, tools=None, **options) -> list[Response]:
+        """Every reply whole: ``n`` of them, text cut at the first stop string, tool calls parsed."""
+        request = self.request(messages, system, tools, **options)
+        replies = {i: _Reply(self, request, i) for i in range(request.n)}
+        async for delta in self._deltas(request, replies):
+            pass
+        return [replies[i].response(tools) for i in range(request.n)]
+
+    async def astream(self, messages, system=None, tools=None, **options) -> AsyncIterator[ChatDelta]:
+        request = self.request(messages, system, tools, **options)
+        replies = {i: _Reply(self, request, i) for i in range(request.n)}
+        async for delta in self._deltas(request, replies):
+            yield delta
+
+    async def _deltas(self, request: GenerationRequest, replies: dict[int, "_Reply"]) -> AsyncIterator[ChatDelta]:
+        stream = self.engine.stream(request)
+        try:
+            async for step in stream:
+                delta = replies[step.index].add(step)
+                if delta is not None:
+                    yield delta
+                if all(r.finish_reason for r in replies.values()):
+                    break  # every reply ended (a stop string may end one before the engine does)
+        finally:
+            await stream.aclose()
+
+    async def achat(self, messages, system=None, tools=None, **options) -> list[Response]:
+        return await self.agenerate(messages, system, tools, **options)
+
+    async def astream_chat(self, messages, system=None, tools=None, **options) -> AsyncIterator[str]:
+        async for delta in self.astream(messages, system, tools, **options):
+            if delta.text:
+                yield delta.text
+
+    # --- sync API (scripts, the terminal chat) ---------------------------------------------
+
+    def chat(self, messages, system=None, tools=None, **options) -> list[Response]:
+        return self._run(self.agenerate(messages, system, tools, **options))
+
+    def batch_chat(self, conversations: list[list[dict]], system=None, tools=None, **options) -> list[list[Response]]:
+        """Many conversations at once (the engine batches what it can)."""
+
+        async def all_of_them():
+            return await asyncio.gather(*(self.agenerate(c, system, tools, **options) for c in conversations))
+
+        return self._run(all_of_them())
+
+    def stream_chat(self, messages, system=None, tools=None, **options) -> Iterator[str]:
+        agen = self.astream_chat(messages, system, tools, **options)
+        try:
+            while True:
+                try:
+                    yield self._run(agen.__anext__())
+                except StopAsyncIteration:
+                    return
+        finally:
+            self._run(agen.aclose())
+
+    def close(self) -> None:
+        if self._loop is not None:
+            self._run(self.engine.close())
+            self._loop.call_soon_threadsafe(self._loop.stop)
+            self._loop = None
+        else:
+            asyncio.run(self.engine.close())
+
+    def _run(self, coro):
+        if self._loop is None:
+            self._loop = asyncio.new_event_loop()
+            threading.Thread(target=self._loop.run_forever, name="chat-model-loop", daemon=True).start()
+        return asyncio.run_coroutine_threadsafe(coro, self._loop).result()
+
+
+class _Reply:
+    """One reply as it grows: its tokens, the text decoded so far, stop strings applied."""
+
+    def __init__(self, chat: ChatModel, request: GenerationRequest, index: int):
+        self.chat, self.request, self.index = chat, request, index
+        self.token_ids: list[int] = []
+        self.logprobs: Optional[list[TokenLogprob]] = [] if request.logprobs is not None else None
+        self.text = ""  # what has been handed out
+        self.finish_reason: Optional[str] = None
+        self.stop_ids = set(request.params.stop_token_ids)
+        self.skip_special = chat.spec.generating.skip_special_tokens
+
+    def add(self, step) -> Optional[ChatDelta]:
+        if self.finish_reason:
+            return None
+        self.token_ids += step.token_ids
+        if self.logprobs is not None and step.logprobs:
+            self.logprobs += step.logprobs
+        content = [t for t in self.token_ids if t not in self.stop_ids]
+        full = self.chat.tokenizer.decode(content, skip_special_tokens=self.skip_special)
+        reason = step.finish_reason
+        cut = _first_stop(full, self.request.params.stop_strings)
+        if cut is not None:
+            full, reason = full[:cut], "stop"
+        elif reason is None:
+            # Hold back an unfinished character and anything that may begin a stop string.
+            full = full[: len(full) - _held_back(full, self.request.params.stop_strings)]
+        new = full[len(self.text):] if full.startswith(self.text) else ""
+        self.text += new
+        self.finish_reason = reason
+        if not new and reason is None:
+            return None
+        return ChatDelta(step.index, new, reason, step.logprobs, len(step.token_ids))
+
+    def response(self, tools) -> Response:
+        calls: list[FunctionCall] = []
+        reason = self.finish_reason or "stop"
+        if tools:
+            extracted = self.chat.template.extract_tool_calls(self.text)
+            if isinstance(extracted, list) and extracted:
+                calls, reason = extracted, "tool_calls"
+        return Response(self.text, len(self.token_ids), len(self.request.prompt_ids), reason,
+                        self.index, list(self.token_ids), self.logprobs, calls)
+
+
+def _first_stop(text: str, stops: tuple[str, ...]) -> Optional[int]:
+    found = [i for i in (text.find(s) for s in stops if s) if i != -1]
+    return min(found) if found else None
+
+
+def _held_back(text: str, stops: tuple[str, ...]) -> int:
+    if text.endswith("\ufffd"):  # a multi-byte character whose remaining bytes are still to come
+        return 1
+    for size in range(min(len(text), max((len(s) for s in stops), default=0)), 0, -1):
+        if any(s.startswith(text[-size:]) for s in stops):
+            return size
+    return 0
+
+
+def build_engine(spec: InferenceSpec, tokenizer, template) -> Engine:
+    """The configured engine over the spec's model and adapters."""
+    backend = spec.inference.infer_backend
+    if backend == "vllm":
+        from .vllm_engine import VLLMChatEngine
+
+        return VLLMChatEngine.from_spec(spec, tokenizer)
+    from .hf_engine import HFEngine
+
+    model, adapters, default = load_hf_model(spec, tokenizer)
+    limit = getattr(model.config, "max_position_embeddings", None) or spec.inference.vllm_maxlen
+    return HFEngine(model, tokenizer.pad_token_id, min(limit, spec.inference.vllm_maxlen), adapters, default)
