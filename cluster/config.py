@@ -100,6 +100,7 @@ class RunConfig:
         out.update(dataclasses.asdict(self.rl))
         for group in (self.inference, self.export, self.serve):
             out.update(dataclasses.asdict(group))
+        out.pop("api_key")  # a secret: never written into the saved config
         return out
 
     def write_yaml(self, path: str | os.PathLike | None = None) -> str:

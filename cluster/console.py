@@ -57,7 +57,8 @@ class Console:
         method = tuning.finetuning_type + (f" (rank {tuning.lora_rank})" if tuning.finetuning_type == "lora" else "")
         if model.quantization_bit:
             method += f" on a {model.quantization_bit}-bit base"
-        datasets = ", ".join(data.dataset or []) or f"tokenized data in {data.tokenized_path}"
+        datasets = ", ".join(data.dataset or []) or (
+            f"tokenized data in {data.tokenized_path}" if data.tokenized_path else "none (prediction only)")
         if data.eval_dataset:
             datasets += f"; eval: {', '.join(data.eval_dataset)}"
         address = ray_args.resolved_address()
@@ -131,6 +132,13 @@ class Console:
             self.say(f"  checkpoint  {result.checkpoint.path}")
         if self.log_path:
             self.say(f"  log         {self.log_path}")
+
+    def predictions(self, path: str, rows: int, metrics: dict) -> None:
+        """After a prediction run (fabric.predict): where the replies went and their scores."""
+        self._close_bar()
+        scores = ", ".join(f"{k.removeprefix('predict_')} {_number(v)}" for k, v in metrics.items()
+                           if k.startswith(("predict_bleu", "predict_rouge")))
+        self.say(f"predictions for {rows} eval rows: {path}" + (f" ({scores})" if scores else ""))
 
     def _close_bar(self) -> None:
         if self._bar is not None:

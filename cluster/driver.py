@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 from dataclasses import dataclass
@@ -28,7 +29,8 @@ def run_exp(
     callbacks: Iterable[Any] = (),
     console: Optional[Console] = None,
 ) -> RunResult:
-    """Run one training job. ``callbacks`` are extra ``transformers.TrainerCallback`` objects
+    """Run one job: training, then batch prediction when ``do_predict`` is set (or prediction
+    alone with ``do_train: false``). ``callbacks`` are extra ``transformers.TrainerCallback`` objects
     shipped to every worker (the Python API's hook; the YAML has no such key). ``console`` shows
     the plan, progress and summary (the CLI passes one that also owns the run's log file)."""
     cfg = config if isinstance(config, RunConfig) else load_config(config, list(overrides))
@@ -40,20 +42,30 @@ def run_exp(
     from stages.loading import check_model_fits
 
     output_dir = cfg.training.output_dir
+    do_train, do_predict = _planned_work(cfg)
 
     # Mistakes that need no cluster fail before Ray starts: model path, template, datasets.
     # Model facts are resolved once, here: the driver tokenizes (through Ray Data) with this
     # tokenizer and template, and the workers load the template by its resolved name.
     tokenizer, template = _load_tokenizer_and_template(cfg)
+    configured_template = cfg.data.template  # prediction alone keeps a model folder's saved template
     cfg.data.template = template.name  # `template: auto` pinned for the workers and the saved config
     spec = cfg.job_spec()
-    check_model_fits(cfg.model, cfg.finetuning)
-    check_data(cfg.data, spec.stage)
+    if do_train:
+        check_model_fits(cfg.model, cfg.finetuning)
+        check_data(cfg.data, spec.stage)
+    else:  # prediction only: the eval datasets are all it reads
+        check_data(dataclasses.replace(cfg.data, dataset=cfg.data.eval_dataset), spec.stage)
     os.makedirs(output_dir, exist_ok=True)
-    cfg.write_yaml()  # the resolved config, so the run can be repeated exactly
+    if do_train:  # a prediction-only run leaves the model folder's own saved config alone
+        cfg.write_yaml()  # the resolved config, so the run can be repeated exactly
     console.plan(cfg)
     resources = connect(cfg.ray, extra_cpus=_rollout_cpus(cfg))
     _check_resources(cfg, resources)
+    if not do_train:
+        predicted = _predict(cfg, console, trained=False, template=configured_template)
+        stats = {"eval_examples": predicted.rows, "predict_workers": predicted.workers}
+        return RunResult(os.path.abspath(output_dir), predicted.metrics, None, stats)
     data = prepare_datasets(cfg.data, spec.stage, cfg.training.seed, tokenizer, template)
     if spec.stage.launch == "rl_controller":  # roles as actor groups, driven from here
         from fabric.rl_launcher import launch_rl
@@ -64,8 +76,59 @@ def run_exp(
     if result.error is not None:
         raise result.error
     checkpoint = result.checkpoint.path if result.checkpoint is not None else None
+    metrics = dict(result.metrics or {})
+    if do_predict:
+        metrics.update(_predict(cfg, console, trained=True).metrics)
     console.summary(result, os.path.abspath(output_dir))
-    return RunResult(os.path.abspath(output_dir), dict(result.metrics or {}), checkpoint, data.stats)
+    return RunResult(os.path.abspath(output_dir), metrics, checkpoint, data.stats)
+
+
+def _planned_work(cfg: RunConfig) -> tuple[bool, bool]:
+    """(train, predict). transformers defaults do_train to false, but a config that leaves it out
+    trains (as every run here always has); only an explicit ``do_train: false`` skips training."""
+    values = cfg.training.values
+    do_train = bool(values.get("do_train", True))
+    do_predict = bool(values.get("do_predict", False))
+    if not do_predict:
+        if not do_train:
+            raise ConfigError(
+                "do_train is false and do_predict is not set, so this run has nothing to do. Set do_train: true to "
+                "train, or do_predict: true with predict_with_generate: true and eval_dataset to predict."
+            )
+        return do_train, False
+    stage = cfg.finetuning.stage
+    if stage != "sft":
+        raise ConfigError(
+            f"do_predict is true for stage {stage!r}, but prediction (generated_predictions.jsonl and its BLEU/ROUGE "
+            "scores) is built for stage sft only. Remove do_predict, or predict with a separate config that has "
+            "stage: sft and the trained output as adapter_name_or_path (lora) or model_name_or_path."
+        )
+    if not values.get("predict_with_generate"):
+        raise ConfigError(
+            "do_predict is true but predict_with_generate is not: predictions here are generated replies scored "
+            "with BLEU and ROUGE. Set predict_with_generate: true."
+        )
+    if not cfg.data.eval_dataset:
+        raise ConfigError(
+            "do_predict is true but eval_dataset is not set, so there are no rows to predict. Set eval_dataset to "
+            "one or more names from dataset_info.json (e.g. eval_dataset: arith_eval)."
+        )
+    return do_train, True
+
+
+def _predict(cfg: RunConfig, console: Console, trained: bool, template: Optional[str] = None):
+    """Generate replies for the eval rows with the trained output, or (``trained`` false) with the
+    config's own model and adapters under the template the config names (``template``)."""
+    from fabric.predict import run_predictions, trained_model_spec
+
+    spec = cfg.inference_spec()
+    if trained:
+        spec = trained_model_spec(spec, cfg.training.output_dir)
+    else:  # unset or auto: ChatModel takes the template the adapter or model folder trained with
+        spec = dataclasses.replace(spec, data=dataclasses.replace(spec.data, template=template))
+    predicted = run_predictions(spec, cfg.data, cfg.training.seed, cfg.ray, cfg.training.output_dir)
+    console.predictions(predicted.path, predicted.rows, predicted.metrics)
+    return predicted
 
 
 def _load_tokenizer_and_template(cfg: RunConfig):
@@ -74,7 +137,7 @@ def _load_tokenizer_and_template(cfg: RunConfig):
     from registries.templates.autodetect import AUTO
     from stages.loading import load_tokenizer_and_template
 
-    _check_local_paths(cfg)
+    check_local_paths(cfg)
     path = cfg.model.model_name_or_path
     if cfg.data.template not in (None, AUTO):
         try:
@@ -90,7 +153,7 @@ def _load_tokenizer_and_template(cfg: RunConfig):
         ) from None
 
 
-def _check_local_paths(cfg: RunConfig) -> None:
+def check_local_paths(cfg: RunConfig) -> None:
     """Every model or adapter path that looks local must exist. Checked here, before any work:
     transformers and peft would take a missing path for a hub id and fail much later, on a worker."""
     tuning = cfg.finetuning
@@ -100,6 +163,7 @@ def _check_local_paths(cfg: RunConfig) -> None:
                        ("ref_model_adapters", tuning.ref_model_adapters),
                        ("reward_model_adapters", tuning.reward_model_adapters)):
         named += [(key, p) for p in paths or ()]
+    named += [(f"lora_modules adapter {name!r}:", p) for name, p in (cfg.inference.lora_modules or {}).items()]
     for key, path in named:
         if path and _looks_local(path) and not os.path.exists(os.path.expanduser(path)):
             if "adapter" in key:

@@ -82,7 +82,7 @@ def prepare_datasets(data_args: DataArguments, stage: StageSpec, seed: int, toke
     then the stage's preprocess function over consecutive windows of BATCH_SIZE aligned rows.
     """
     fingerprint = _fingerprint(data_args, stage, seed, tokenizer, template)
-    with _pipeline_context():
+    with pipeline_context():
         if _reuses_cache(data_args):
             return _load_cache(data_args.tokenized_path, fingerprint)
         started = time.time()
@@ -96,8 +96,8 @@ def prepare_datasets(data_args: DataArguments, stage: StageSpec, seed: int, toke
 
 def _tokenized_splits(data_args: DataArguments, stage: StageSpec, seed: int, tokenizer, template) -> tuple:
     preprocess = stage.preprocess_fn(tokenizer, template, data_args)
-    train = _aligned_mixed(data_args.dataset, data_args, stage, seed)
-    evaluation = _aligned_mixed(data_args.eval_dataset, data_args, stage, seed) if data_args.eval_dataset else None
+    train = aligned_mixed(data_args.dataset, data_args, stage, seed)
+    evaluation = aligned_mixed(data_args.eval_dataset, data_args, stage, seed) if data_args.eval_dataset else None
     if data_args.val_size:
         # Split aligned rows by the registries' seeded plan, as load_aligned does: the same seed
         # picks the same rows, and packing never puts a train and an eval example in one sequence.
@@ -134,7 +134,7 @@ def _nothing_left(split: str, where: str, rows, preprocess, stage: StageSpec) ->
     )
 
 
-def _aligned_mixed(names, data_args: DataArguments, stage: StageSpec, seed: int) -> "ray.data.Dataset":
+def aligned_mixed(names, data_args: DataArguments, stage: StageSpec, seed: int) -> "ray.data.Dataset":
     """Every named dataset read and aligned (in Ray tasks), then mixed."""
     attrs = get_dataset_attrs(names, data_args.dataset_dir)
     check_stage_fields(attrs, stage.name, stage.dataset_need)  # before any work: dpo/rm need ranking, ...
@@ -207,12 +207,12 @@ def _concat(tables):
     return pa.concat_tables(tables) if tables else aligned_table({name: [] for name in ALIGNED_COLUMNS})
 
 
-class _DataError(UserCodeException):
+class CarriedDataError(UserCodeException):
     """A user's data mistake raised in a Ray Data task, carried whole to the driver.
 
     Ray Data wraps a UDF's exception in a UserCodeException that is pickled without its cause,
     so the driver would only see "UDF failed to process a data block" and a remote traceback.
-    With ``raise_original_map_exception`` (see ``_pipeline_context``) it passes this one on as
+    With ``raise_original_map_exception`` (see ``pipeline_context``) it passes this one on as
     is; being a UserCodeException, Ray Data still reports it as the user's, not as its own bug.
     """
 
@@ -221,7 +221,7 @@ class _DataError(UserCodeException):
         self.error = error
 
     def __reduce__(self):
-        return (_DataError, (self.error,))
+        return (CarriedDataError, (self.error,))
 
 
 def _udf(fn):
@@ -230,7 +230,7 @@ def _udf(fn):
         try:
             return fn(*args, **kwargs)
         except (DatasetRowError, DataConfigError) as err:
-            raise _DataError(err) from None
+            raise CarriedDataError(err) from None
         except Exception as err:  # what Ray Data itself does without raise_original_map_exception
             raise UserCodeException("UDF failed to process a data block.") from err
 
@@ -238,13 +238,13 @@ def _udf(fn):
 
 
 @contextlib.contextmanager
-def _pipeline_context():
+def pipeline_context():
     """The execution settings this pipeline relies on, whoever else uses Ray Data in the process.
 
     Datasets created inside copy the current DataContext, so they keep these settings:
     ``preserve_order`` (rows keep their file order: the windows that sft packing and pt blocks
     fill, the seeded split and the tokenized_path cache all depend on it) and
-    ``raise_original_map_exception`` (a user's data error arrives whole, see ``_DataError``).
+    ``raise_original_map_exception`` (a user's data error arrives whole, see ``CarriedDataError``).
     """
     context = ray.data.DataContext.get_current()
     saved = context.raise_original_map_exception, context.execution_options.preserve_order
@@ -284,16 +284,16 @@ def _run(dataset) -> "ray.data.Dataset":
     try:
         return dataset.materialize()
     except ray.exceptions.RayTaskError as err:
-        cause = _user_error(err)
+        cause = carried_user_error(err)
         if cause is not None:
             raise cause from None
         raise
 
 
-def _user_error(err: BaseException) -> Optional[Exception]:
-    """The data error a UDF raised: RayTaskError(_DataError).cause is the _DataError."""
+def carried_user_error(err: BaseException) -> Optional[Exception]:
+    """The data error a UDF raised: RayTaskError(CarriedDataError).cause is the CarriedDataError."""
     cause = getattr(err, "cause", None)
-    return cause.error if isinstance(cause, _DataError) else None
+    return cause.error if isinstance(cause, CarriedDataError) else None
 
 
 # ------------------------------------------------------------------ tokenized_path reuse

@@ -12,6 +12,7 @@ methods run the async ones on a private event loop thread; servers call the asyn
 from __future__ import annotations
 
 import asyncio
+import queue
 import threading
 from dataclasses import dataclass, field, replace
 from typing import Any, AsyncIterator, Iterator, Optional
@@ -23,6 +24,8 @@ from .engine import DecodingParams, Engine, GenerationRequest, TokenLogprob
 from .loading import InferenceSpec, load_hf_model, load_tokenizer_and_template
 
 # LLaMA-Factory's per-call generation keys, plus the OpenAI-style ones a server passes.
+_END = object()  # the last item of a sync stream
+STOP_WAIT_S = 60  # how long a cancelled reply may take to let go of the engine
 GENERATION_KEYS = ("do_sample", "temperature", "top_p", "top_k", "max_new_tokens", "repetition_penalty", "seed")
 
 
@@ -155,15 +158,36 @@ class ChatModel:
         return self._run(all_of_them())
 
     def stream_chat(self, messages, system=None, tools=None, **options) -> Iterator[str]:
-        agen = self.astream_chat(messages, system, tools, **options)
+        """Text pieces as they come. Interruptible: when the caller stops reading (Ctrl-C, a break,
+        an error), the reply is cancelled and this waits until the engine has let go of it, so the
+        next request does not queue behind a reply nobody reads."""
+        pieces: queue.Queue = queue.Queue()
+
+        async def produce():
+            try:
+                async for text in self.astream_chat(messages, system, tools, **options):
+                    pieces.put(text)
+            except BaseException as exc:  # noqa: BLE001 (re-raised in the reading thread)
+                pieces.put(exc)
+            finally:
+                pieces.put(_END)
+
+        self._ensure_loop()
+        task = asyncio.run_coroutine_threadsafe(produce(), self._loop)
+        finished = False
         try:
-            while True:
-                try:
-                    yield self._run(agen.__anext__())
-                except StopAsyncIteration:
+            while (item := pieces.get()) is not _END:
+                if isinstance(item, BaseException):
+                    finished = True
+                    if not isinstance(item, asyncio.CancelledError):
+                        raise item
                     return
+                yield item
+            finished = True
         finally:
-            self._run(agen.aclose())
+            if not finished:
+                task.cancel()
+                _drain(pieces, STOP_WAIT_S)
 
     def close(self) -> None:
         if self._loop is not None:
@@ -174,10 +198,24 @@ class ChatModel:
             asyncio.run(self.engine.close())
 
     def _run(self, coro):
+        self._ensure_loop()
+        return asyncio.run_coroutine_threadsafe(coro, self._loop).result()
+
+    def _ensure_loop(self) -> None:
+        # One loop for the sync API, for the model's lifetime: engines bind to the loop they first run on.
         if self._loop is None:
             self._loop = asyncio.new_event_loop()
             threading.Thread(target=self._loop.run_forever, name="chat-model-loop", daemon=True).start()
-        return asyncio.run_coroutine_threadsafe(coro, self._loop).result()
+
+
+def _drain(pieces: queue.Queue, timeout: float) -> None:
+    """Wait for a cancelled reply's producer to end (the engine stops at its next token); a second
+    Ctrl-C, or the timeout, stops waiting."""
+    try:
+        while pieces.get(timeout=timeout) is not _END:
+            pass
+    except (queue.Empty, KeyboardInterrupt):
+        pass
 
 
 class _Reply:
@@ -191,6 +229,7 @@ class _Reply:
         self.finish_reason: Optional[str] = None
         self.stop_ids = set(request.params.stop_token_ids)
         self.skip_special = chat.spec.generating.skip_special_tokens
+        self.reported = 0  # tokens handed out in deltas (held-back steps join the next delta)
 
     def add(self, step) -> Optional[ChatDelta]:
         if self.finish_reason:
@@ -212,7 +251,9 @@ class _Reply:
         self.finish_reason = reason
         if not new and reason is None:
             return None
-        return ChatDelta(step.index, new, reason, step.logprobs, len(step.token_ids))
+        start, self.reported = self.reported, len(self.token_ids)
+        logprobs = self.logprobs[start:] if self.logprobs is not None else None
+        return ChatDelta(step.index, new, reason, logprobs, self.reported - start)
 
     def response(self, tools) -> Response:
         calls: list[FunctionCall] = []

@@ -84,6 +84,19 @@ class Engine(Protocol):
     async def close(self) -> None: ...
 
 
+async def collect(deltas: AsyncIterator[StreamDelta], request: GenerationRequest) -> list[Generated]:
+    """An engine's ``generate``: its stream, gathered into whole replies."""
+    replies = [Generated([], "length", [] if request.logprobs is not None else None, i) for i in range(request.n)]
+    async for delta in deltas:
+        reply = replies[delta.index]
+        reply.token_ids += delta.token_ids
+        if delta.logprobs is not None:
+            reply.logprobs += delta.logprobs
+        if delta.finish_reason:
+            reply.finish_reason = delta.finish_reason
+    return replies
+
+
 class PromptTooLong(ValueError):
     """The prompt leaves no room for a reply in the engine's context window."""
 

@@ -24,6 +24,7 @@ from .engine import (
     StreamDelta,
     TokenLogprob,
     check_prompt_fits,
+    collect,
 )
 
 _DONE = object()
@@ -44,15 +45,7 @@ class HFEngine:
         self._lock = asyncio.Lock()
 
     async def generate(self, request: GenerationRequest) -> list[Generated]:
-        replies = [Generated([], "length", [] if request.logprobs is not None else None, i) for i in range(request.n)]
-        async for delta in self.stream(request):
-            reply = replies[delta.index]
-            reply.token_ids += delta.token_ids
-            if delta.logprobs is not None:
-                reply.logprobs += delta.logprobs
-            if delta.finish_reason:
-                reply.finish_reason = delta.finish_reason
-        return replies
+        return await collect(self.stream(request), request)
 
     async def stream(self, request: GenerationRequest) -> AsyncIterator[StreamDelta]:
         budget = check_prompt_fits(request, self.max_model_len)

@@ -11,9 +11,11 @@ import yaml
 
 from cluster.config import ConfigError, key_owners, load_config, parse_override
 from cluster.lf_compat import IGNORED_KEYS, MULTIMODAL_KEYS, UNSUPPORTED_KEYS
+from cluster.serve.args import ServeArguments
 from fabric.args import RayArguments
 from registries.datasets.args import DataArguments
 from stages.args import FinetuningArguments, GeneratingArguments, ModelArguments, trainer_fields
+from stages.inference.args import ExportArguments, InferenceArguments
 from stages.rl.args import RLArguments
 from tests.cluster.conftest import BASE, error_of, write
 
@@ -124,7 +126,8 @@ def test_defaults_follow_llamafactory():
 def test_every_key_belongs_to_exactly_one_group():
     owners = key_owners()  # raises if two groups claim a name
     groups = {"model": ModelArguments, "data": DataArguments, "finetuning": FinetuningArguments,
-              "generating": GeneratingArguments, "ray": RayArguments, "rl": RLArguments}
+              "generating": GeneratingArguments, "ray": RayArguments, "rl": RLArguments,
+              "inference": InferenceArguments, "export": ExportArguments, "serve": ServeArguments}
     for group, cls in groups.items():
         assert all(owners[name] == group for name in cls.__dataclass_fields__)
     assert set(owners) == {n for c in groups.values() for n in c.__dataclass_fields__} | set(trainer_fields())

@@ -1,0 +1,109 @@
+"""``rayfactory serve cfg.yaml`` (alias ``api``): the OpenAI-compatible endpoint on Ray Serve.
+
+Where it listens: ``--host``/``--port``, else ``API_HOST``/``API_PORT``, else the config's
+``api_host``/``api_port``, else 127.0.0.1:8000. The key: ``API_KEY``, else ``api_key``.
+``--write-serve-config PATH`` writes the equivalent Ray Serve config (for ``serve run`` /
+``serve deploy`` on a cluster) and starts nothing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import sys
+import time
+
+import yaml
+
+from registries.errors import UserError
+
+_REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+APP_NAME = "rayfactory"
+
+
+class ServeSetupError(UserError):
+    """A listen address from the environment that cannot be used."""
+
+
+def resolve_address(args: argparse.Namespace, cfg) -> tuple[str, int]:
+    host = args.host or os.environ.get("API_HOST") or cfg.serve.api_host or "127.0.0.1"
+    port = args.port
+    if port is None and os.environ.get("API_PORT"):
+        try:
+            port = int(os.environ["API_PORT"])
+        except ValueError:
+            raise ServeSetupError(f"API_PORT={os.environ['API_PORT']!r} in the environment is not a port number; "
+                                  "set it to a number such as 8000, or unset it.") from None
+    port = port if port is not None else cfg.serve.api_port
+    if not 0 < port < 65536:
+        raise ServeSetupError(f"port {port} is not a TCP port (1-65535); fix --port, API_PORT or api_port.")
+    return host, port
+
+
+def serve_config(cfg, config_path: str, overrides: list[str], host: str, port: int) -> dict:
+    """A Ray Serve config (``serve run`` / ``serve deploy``) that builds the same application."""
+    from .app import DEPLOYMENT, deployment_options
+
+    deployment = {"name": DEPLOYMENT, **deployment_options(cfg.serve)}
+    return {
+        "proxy_location": "EveryNode",
+        "http_options": {"host": host, "port": port},
+        "applications": [{
+            "name": APP_NAME,
+            "route_prefix": "/",
+            "import_path": "cluster.serve.app:app_builder",
+            "args": {"config": os.path.abspath(config_path), "overrides": list(overrides)},
+            # `serve run` uploads this folder; `serve deploy` needs a remote URI (zip on S3/GCS) here.
+            "runtime_env": {"working_dir": _REPO_ROOT},
+            "deployments": [deployment],
+        }],
+    }
+
+
+def write_serve_config(path: str, config: dict) -> str:
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    with open(path, "w", encoding="utf-8") as f:
+        f.write("# Written by `rayfactory serve --write-serve-config`. Run: serve run " f"{os.path.basename(path)}\n"
+                "# The API key is read from API_KEY (or api_key in the config) where the app is built;\n"
+                "# for `serve deploy`, point runtime_env.working_dir at a zip URI of this repository.\n")
+        yaml.safe_dump(config, f, sort_keys=False)
+    return path
+
+
+def run_serve(args: argparse.Namespace) -> int:
+    from ..config import load_config
+
+    from ..driver import check_local_paths
+
+    cfg = load_config(args.config, args.overrides, purpose="infer")
+    check_local_paths(cfg)  # a missing folder fails now, not in a replica after Ray and Serve started
+    host, port = resolve_address(args, cfg)
+    if getattr(args, "write_serve_config", None):
+        path = write_serve_config(args.write_serve_config, serve_config(cfg, args.config, args.overrides, host, port))
+        print(f"rayfactory: wrote the Ray Serve config {path} (serve run {path})")
+        return 0
+
+    from ray import serve
+
+    from fabric.ray_session import connect
+
+    from .app import build_app, resolve_api_key
+
+    connect(cfg.ray)
+    serve.start(http_options={"host": host, "port": port})
+    spec = cfg.inference_spec()
+    serve.run(build_app(cfg), name=APP_NAME, route_prefix="/", blocking=False)
+    names = [spec.model_name(), *(cfg.inference.lora_modules or {})]
+    auth = " (API key required)" if resolve_api_key(cfg) else ""
+    print(f"rayfactory: serving {', '.join(names)} at http://{host}:{port}/v1{auth}; Ctrl-C stops", flush=True)
+    # SIGTERM (a service manager, `kill`) stops as Ctrl-C does: Serve and the local Ray shut down.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+    try:
+        while True:
+            time.sleep(3600)
+    except (KeyboardInterrupt, SystemExit):
+        pass
+    finally:
+        serve.shutdown()
+    return 0

@@ -1,0 +1,279 @@
+"""The OpenAI-compatible Serve app, end to end: a real Ray Serve on 127.0.0.1, the official
+``openai`` client and raw httpx, the transformers engine over the tiny model + two LoRA adapters
+(default: math; lora_modules: poet). One Serve app for the module (startup is the slow part)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import socket
+
+import httpx
+import pytest
+import yaml
+
+from .conftest import BASE, PROMPTS
+
+API_KEY = "sk-test-key"
+MAX_NEW = 12
+MAXLEN = 512
+LONG = "word " * 1000  # > MAXLEN tokens
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def config(adapter_outputs):
+    return {"model_name_or_path": BASE, "template": "qwen", "adapter_name_or_path": adapter_outputs["math"],
+            "lora_modules": {"poet": adapter_outputs["poet"]}, "do_sample": False, "max_new_tokens": MAX_NEW,
+            "vllm_maxlen": MAXLEN, "api_key": API_KEY, "serve_max_ongoing_requests": 64}
+
+
+@pytest.fixture(scope="module")
+def local_chat(config):
+    from cluster.api import ChatModel
+
+    chat = ChatModel(config)
+    yield chat
+    chat.close()
+
+
+@pytest.fixture(scope="module")
+def reward_output(tmp_path_factory):
+    from .test_export import make_reward_output
+
+    return make_reward_output(tmp_path_factory.mktemp("rm") / "rm-out", seed=3)
+
+
+@pytest.fixture(scope="module")
+def server(ray_session, config, reward_output):
+    from ray import serve
+
+    from cluster.serve.app import build_app
+
+    port = _free_port()
+    serve.start(http_options={"host": "127.0.0.1", "port": port})
+    serve.run(build_app(config), name="rayfactory-test", route_prefix="/")
+    # A reward model (stage rm output) as a second app, for /v1/score.
+    serve.run(build_app({**config, "adapter_name_or_path": reward_output, "lora_modules": None, "api_key": None}),
+              name="rayfactory-rm", route_prefix="/rm")
+    yield f"http://127.0.0.1:{port}"
+    serve.shutdown()
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    from openai import OpenAI
+
+    return OpenAI(base_url=server + "/v1", api_key=API_KEY, max_retries=0, timeout=120)
+
+
+def _auth() -> dict:
+    return {"Authorization": f"Bearer {API_KEY}"}
+
+
+def test_models_lists_default_and_adapters(client):
+    assert [m.id for m in client.models.list().data] == ["math", "poet"]
+
+
+def test_greedy_completion_matches_in_process_chat_and_usage(client, local_chat):
+    reply = client.chat.completions.create(model="math", messages=PROMPTS[2])
+    expected = local_chat.chat(PROMPTS[2])[0]
+    assert reply.choices[0].message.content == expected.response_text
+    assert reply.choices[0].finish_reason == expected.finish_reason
+    prompt_ids = local_chat.prompt_ids(PROMPTS[2])
+    assert reply.usage.prompt_tokens == len(prompt_ids)
+    assert reply.usage.completion_tokens == len(expected.token_ids) == expected.response_length
+    assert reply.usage.total_tokens == len(prompt_ids) + len(expected.token_ids)
+
+
+def test_stream_token_by_token_equals_the_whole_reply(client):
+    whole = client.chat.completions.create(model="math", messages=PROMPTS[0]).choices[0].message.content
+    chunks = list(client.chat.completions.create(model="math", messages=PROMPTS[0], stream=True,
+                                                 stream_options={"include_usage": True}))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    pieces = [c.choices[0].delta.content for c in chunks if c.choices and c.choices[0].delta.content]
+    assert len(pieces) >= 2
+    assert "".join(pieces) == whole
+    finishing = [c for c in chunks if c.choices and c.choices[0].finish_reason]
+    assert len(finishing) == 1 and finishing[0] is [c for c in chunks if c.choices][-1]
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens > 0
+
+
+def test_adapter_selected_by_name(client, local_chat):
+    poet = client.chat.completions.create(model="poet", messages=PROMPTS[1]).choices[0].message.content
+    math = client.chat.completions.create(model="math", messages=PROMPTS[1]).choices[0].message.content
+    assert poet == local_chat.chat(PROMPTS[1], adapter="poet")[0].response_text
+    assert poet != math
+
+
+def test_n_stop_logprobs(client, local_chat):
+    base = local_chat.chat(PROMPTS[0])[0].response_text
+    two = client.chat.completions.create(model="math", messages=PROMPTS[0], n=2, temperature=0)
+    assert [c.index for c in two.choices] == [0, 1]
+    assert two.choices[0].message.content == two.choices[1].message.content == base
+    stop = base[3:5]
+    cut = client.chat.completions.create(model="math", messages=PROMPTS[0], stop=[stop])
+    assert cut.choices[0].message.content == base[: base.index(stop)]
+    assert cut.choices[0].finish_reason == "stop"
+    lp = client.chat.completions.create(model="math", messages=PROMPTS[0], logprobs=True, top_logprobs=2)
+    entries = lp.choices[0].logprobs.content
+    assert len(entries) == lp.usage.completion_tokens
+    expected = local_chat.chat(PROMPTS[0], logprobs=2)[0]
+    for entry, token_id, ref in zip(entries, expected.token_ids, expected.logprobs):
+        assert entry.token == local_chat.tokenizer.decode([token_id])
+        assert entry.logprob == pytest.approx(ref.logprob, abs=1e-4)
+        assert len(entry.top_logprobs) == 2 and entry.top_logprobs[0].logprob >= entry.top_logprobs[1].logprob
+        assert bytes(entry.bytes) == entry.token.encode("utf-8")
+
+
+def test_request_with_tools_is_well_formed(client):
+    tools = [{"type": "function", "function": {"name": "add", "description": "add two numbers", "parameters": {
+        "type": "object", "properties": {"a": {"type": "number"}, "b": {"type": "number"}}, "required": ["a", "b"]}}}]
+    messages = [{"role": "user", "content": "add 2 and 3"},
+                {"role": "assistant", "tool_calls": [{"id": "call_1", "type": "function",
+                                                      "function": {"name": "add", "arguments": '{"a": 2, "b": 3}'}}]},
+                {"role": "tool", "tool_call_id": "call_1", "content": "5"}]
+    reply = client.chat.completions.create(model="math", messages=messages, tools=tools)
+    choice = reply.choices[0]
+    assert choice.message.role == "assistant"
+    assert choice.finish_reason in ("stop", "length", "tool_calls")
+    assert (choice.message.tool_calls is not None) == (choice.finish_reason == "tool_calls")
+    assert reply.usage.prompt_tokens > 0
+
+
+def test_tool_calls_become_openai_tool_calls():
+    from cluster.serve import protocol as p
+    from registries.templates.tools import FunctionCall
+    from stages.inference.chat_model import Response
+
+    response = Response("Action: add\nAction Input: {\"a\": 2}", 9, 20, "tool_calls",
+                        tool_calls=[FunctionCall("add", '{"a": 2}')])
+    body = p.completion([response], "m", tokenizer=None)
+    message = body["choices"][0]["message"]
+    assert body["choices"][0]["finish_reason"] == "tool_calls" and message["content"] is None
+    (call,) = message["tool_calls"]
+    assert call["type"] == "function" and call["id"].startswith("call_")
+    assert call["function"] == {"name": "add", "arguments": '{"a": 2}'}
+    assert body["usage"] == {"prompt_tokens": 20, "completion_tokens": 9, "total_tokens": 29}
+    messages, system = p.to_chat_inputs([p.ChatMessage.model_validate(m) for m in [
+        {"role": "system", "content": "be brief"},
+        {"role": "user", "content": [{"type": "text", "text": "add "}, {"type": "text", "text": "2"}]},
+        {"role": "assistant", "tool_calls": [{"id": "c", "function": {"name": "add", "arguments": '{"a": 2}'}}]},
+        {"role": "tool", "content": "2"}, {"role": "tool", "content": "ok"}]])
+    assert system == "be brief"
+    assert messages == [{"role": "user", "content": "add 2"},
+                        {"role": "function", "content": json.dumps([{"name": "add", "arguments": {"a": 2}}])},
+                        {"role": "observation", "content": "2\nok"}]
+
+
+@pytest.mark.parametrize("body, headers, status, code", [
+    (b"{not json", None, 400, "invalid_json"),
+    ({"model": "nope", "messages": PROMPTS[0]}, None, 404, "model_not_found"),
+    ({"model": "math"}, None, 400, "invalid_value"),
+    ({"model": "math", "messages": "hello"}, None, 400, "invalid_value"),
+    ({"model": "math", "messages": PROMPTS[0], "n": 0}, None, 400, "invalid_value"),
+    ({"model": "math", "messages": PROMPTS[0], "temperature": "hot"}, None, 400, "invalid_value"),
+    ({"model": "math", "messages": [{"role": "assistant", "content": "hi"}]}, None, 400, None),
+    ({"model": "math", "messages": [{"role": "user", "content": LONG}]}, None, 400, "context_length_exceeded"),
+    ({"model": "math", "messages": [{"role": "user", "content": LONG}], "stream": True}, None, 400,
+     "context_length_exceeded"),
+    ({"model": "math", "messages": PROMPTS[0]}, {}, 401, "invalid_api_key"),
+    ({"model": "math", "messages": PROMPTS[0]}, {"Authorization": "Bearer wrong"}, 401, "invalid_api_key"),
+])
+def test_client_mistakes_get_openai_errors_and_serving_goes_on(server, body, headers, status, code):
+    content = body if isinstance(body, bytes) else json.dumps(body).encode()
+    answer = httpx.post(server + "/v1/chat/completions", content=content, timeout=60,
+                        headers=_auth() if headers is None else headers)
+    assert answer.status_code == status, answer.text
+    error = answer.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"} and error["message"]
+    assert error["code"] == code
+    ok = httpx.post(server + "/v1/chat/completions", json={"model": "math", "messages": PROMPTS[0], "max_tokens": 2},
+                    headers=_auth(), timeout=60)
+    assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] <= 2
+
+
+def test_score_on_a_chat_model_is_refused(server):
+    answer = httpx.post(server + "/v1/score", headers=_auth(), timeout=60,
+                        json={"model": "math", "messages": PROMPTS[2][:2]})
+    assert answer.status_code == 400 and "not a reward model" in answer.json()["error"]["message"]
+
+
+def test_score_with_a_reward_model(server, config, reward_output):
+    from cluster.config import load_config
+    from stages.inference.scoring import RewardScorer
+
+    conversations = [PROMPTS[2][:2], [{"role": "system", "content": "judge"}, *PROMPTS[2][:2]],
+                     [*PROMPTS[0], {"role": "assistant", "content": "5"}]]
+    answer = httpx.post(server + "/rm/v1/score", timeout=60, json={"model": "rm-out", "conversations": conversations})
+    assert answer.status_code == 200, answer.text
+    scorer = RewardScorer(load_config({**config, "adapter_name_or_path": reward_output, "lora_modules": None},
+                                      purpose="infer").inference_spec())
+    expected = [scorer.score([PROMPTS[2][:2]])[0], scorer.score([PROMPTS[2][:2]], system="judge")[0],
+                scorer.score([conversations[2]])[0]]
+    assert answer.json()["scores"] == pytest.approx(expected, abs=1e-4)
+    assert expected[0] != pytest.approx(expected[1], abs=1e-6)  # the system prompt reached the scorer
+    one = httpx.post(server + "/rm/v1/score", timeout=60, json={"model": "rm-out", "messages": conversations[2]})
+    assert one.json()["scores"] == pytest.approx(expected[2:], abs=1e-4)
+    bad = httpx.post(server + "/rm/v1/score", timeout=60, json={"model": "rm-out", "messages": PROMPTS[2]})
+    assert bad.status_code == 400 and "must end with the assistant reply" in bad.json()["error"]["message"]
+
+
+def test_32_concurrent_requests(server):
+    async def run() -> list[httpx.Response]:
+        async with httpx.AsyncClient(timeout=300, headers=_auth()) as http:
+            return await asyncio.gather(*(
+                http.post(server + "/v1/chat/completions", json={
+                    "model": "math" if i % 2 else "poet", "messages": PROMPTS[i % 3], "max_tokens": 4})
+                for i in range(32)))
+
+    answers = asyncio.run(run())
+    assert [a.status_code for a in answers] == [200] * 32
+    assert all(a.json()["choices"][0]["message"]["content"] is not None for a in answers)
+
+
+def test_cli_writes_a_serve_config(tmp_path, config, monkeypatch):
+    from cluster.cli import main
+
+    monkeypatch.delenv("API_PORT", raising=False)
+    monkeypatch.delenv("API_HOST", raising=False)
+    cfg = tmp_path / "serve.yaml"
+    cfg.write_text(yaml.safe_dump({**config, "serve_num_replicas": 2, "serve_replica_resources": {"CPU": 2}}))
+    out = tmp_path / "out" / "serve_config.yaml"
+    assert main(["serve", str(cfg), "temperature=0", "--port", "9123", "--write-serve-config", str(out)]) == 0
+    written = yaml.safe_load(out.read_text())
+    (app,) = written["applications"]
+    assert app["import_path"] == "cluster.serve.app:app_builder"
+    assert app["args"] == {"config": str(cfg), "overrides": ["temperature=0"]}
+    assert app["deployments"] == [{"name": "ChatServer", "max_ongoing_requests": 64, "num_replicas": 2,
+                                   "ray_actor_options": {"num_cpus": 2}}]
+    assert written["http_options"] == {"host": "127.0.0.1", "port": 9123}
+    from cluster.serve.app import app_builder
+
+    built = app_builder(app["args"])  # the import path builds without Ray running anything
+    assert type(built).__name__ == "Application"
+
+
+def test_vllm_backend_greedy_parity(server, config, local_chat):
+    """The same app over the vLLM engine answers greedy requests as ChatModel on transformers does."""
+    from ray import serve
+
+    from cluster.serve.app import build_app
+
+    serve.run(build_app({**config, "infer_backend": "vllm", "vllm_cpu_kv_cache_gib": 0.05, "api_key": None}),
+              name="rayfactory-vllm", route_prefix="/vllm")
+    try:
+        for model, adapter in (("math", None), ("poet", "poet")):
+            answer = httpx.post(server + "/vllm/v1/chat/completions", timeout=120,
+                                json={"model": model, "messages": PROMPTS[1]})
+            assert answer.status_code == 200, answer.text
+            expected = local_chat.chat(PROMPTS[1], adapter=adapter)[0]
+            assert answer.json()["choices"][0]["message"]["content"] == expected.response_text
+            assert answer.json()["usage"]["completion_tokens"] == expected.response_length
+    finally:
+        serve.delete("rayfactory-vllm")
