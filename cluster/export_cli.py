@@ -21,6 +21,9 @@ def run_export(args: argparse.Namespace) -> int:
             "export_dir: saves/merged (or add export_dir=saves/merged to the command line)."
         )
     check_local_paths(cfg)
+    import transformers
+
+    transformers.utils.logging.disable_progress_bar()  # the file list below says what was written
     from stages.inference.export import check_export_request, export_model
 
     spec = cfg.inference_spec()

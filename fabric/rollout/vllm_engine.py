@@ -14,13 +14,13 @@ temperature / top-k / top-p, i.e. ``completion_logprobs(..., temperature=1.0)``.
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import time
 from dataclasses import dataclass
 from typing import Optional
 
 from registries.errors import UserError
+from stages.inference.vllm_engine import require_vllm as require_vllm_package
 from stages.rl.types import Completion, SamplingSpec
 
 # vLLM imports this by name inside its worker process and mixes it into the worker class.
@@ -44,13 +44,8 @@ class VLLMNotInstalled(UserError):
 
 def require_vllm() -> None:
     """Raise ``VLLMNotInstalled`` (with the fix) unless ``import vllm`` can work; imports nothing."""
-    if importlib.util.find_spec("vllm") is None:
-        raise VLLMNotInstalled(
-            "rollout_backend: vllm needs the vllm package, which is not installed in this Python "
-            "environment (on every node that runs a rollout engine). Install it with "
-            "`pip install -e .[vllm]` (a CPU-only machine needs vLLM's CPU build), or set "
-            "rollout_backend: hf to sample with transformers generate inside the policy workers."
-        )
+    require_vllm_package("rollout_backend: vllm", "set rollout_backend: hf to sample with transformers generate "
+                         "inside the policy workers", VLLMNotInstalled)
 
 
 def engine_runtime_env() -> dict:

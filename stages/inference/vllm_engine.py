@@ -22,6 +22,8 @@ import os
 import uuid
 from typing import AsyncIterator, get_args
 
+from registries.errors import UserError
+
 from ..loading import resolve_model_path
 from .engine import DecodingParams, Generated, GenerationRequest, StreamDelta, TokenLogprob, check_prompt_fits, collect
 from .loading import DEFAULT_ADAPTER, InferenceLoadError, InferenceSpec, _check_adapter_folder
@@ -45,7 +47,7 @@ class VLLMChatEngine:
 
     @classmethod
     def from_spec(cls, spec: InferenceSpec, tokenizer) -> "VLLMChatEngine":
-        _require_vllm()
+        require_vllm("infer_backend: vllm", "set infer_backend: huggingface to generate with transformers")
         for key, value in _QUIET_ENV.items():
             os.environ.setdefault(key, value)
         from vllm.engine.arg_utils import AsyncEngineArgs
@@ -161,12 +163,14 @@ def _token_logprob(step: dict, token: int, top: int) -> TokenLogprob:
 # --- building the engine -------------------------------------------------------------------
 
 
-def _require_vllm() -> None:
+def require_vllm(setting: str, alternative: str, error: type[UserError] = InferenceLoadError) -> None:
+    """Raise ``error`` (with the fix) unless ``import vllm`` can work; imports nothing. The RL
+    rollout engines use it too, with their own setting and alternative."""
     if importlib.util.find_spec("vllm") is None:
-        raise InferenceLoadError(
-            "infer_backend: vllm needs the vllm package, which is not installed in this Python environment. "
-            "Install it with `pip install -e .[vllm]` (a CPU-only machine needs vLLM's CPU build), or set "
-            "infer_backend: huggingface to generate with transformers."
+        raise error(
+            f"{setting} needs the vllm package, which is not installed in this Python environment (on every node "
+            "that runs an engine). Install it with `pip install -e .[vllm]` (a CPU-only machine needs vLLM's CPU "
+            f"build), or {alternative}."
         )
 
 
