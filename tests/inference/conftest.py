@@ -13,28 +13,17 @@ BASE = "tiny:qwen2,num_heads=2"
 TEMPLATE = "qwen"
 
 
-def make_adapter_output(folder, seed: int, rank: int = 8) -> str:
+def make_adapter_output(folder, seed: int, rank: int = 8, model=None) -> str:
     """An adapter folder like a LoRA sft run leaves: adapter, tokenizer with the training chat
-    template, rayfactory_config.yaml naming the template."""
-    import torch
-    from peft import LoraConfig, get_peft_model
-    from transformers import AutoModelForCausalLM
-
+    template, rayfactory_config.yaml naming the template. ``model``: a fitted PeftModel to save
+    instead of a random adapter."""
     from registries.datasets.args import DataArguments
     from registries.templates.jinja import to_jinja
     from stages.args import ModelArguments
     from stages.loading import load_tokenizer_and_template, resolve_model_path
 
     tokenizer, template = load_tokenizer_and_template(ModelArguments(model_name_or_path=BASE), DataArguments(template=TEMPLATE))
-    base = AutoModelForCausalLM.from_pretrained(resolve_model_path(BASE), dtype=torch.float32)
-    torch.manual_seed(seed)
-    config = LoraConfig(r=rank, lora_alpha=2 * rank, target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj",
-                                                                     "up_proj", "down_proj"], init_lora_weights=False)
-    model = get_peft_model(base, config)
-    with torch.no_grad():  # large enough that the adapter changes greedy replies
-        for name, param in model.named_parameters():
-            if "lora_B" in name:
-                param.mul_(20.0)
+    model = model if model is not None else _random_adapter(seed, rank)
     folder = str(folder)
     model.save_pretrained(folder)
     tokenizer.chat_template = to_jinja(template, tokenizer)
@@ -43,6 +32,26 @@ def make_adapter_output(folder, seed: int, rank: int = 8) -> str:
         yaml.safe_dump({"model_name_or_path": resolve_model_path(BASE), "template": TEMPLATE,
                         "finetuning_type": "lora"}, f)
     return folder
+
+
+def _random_adapter(seed: int, rank: int):
+    """LoRA with random non-zero weights on the tiny base, large enough to change greedy replies."""
+    import torch
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    from stages.loading import resolve_model_path
+
+    base = AutoModelForCausalLM.from_pretrained(resolve_model_path(BASE), dtype=torch.float32)
+    torch.manual_seed(seed)
+    config = LoraConfig(r=rank, lora_alpha=2 * rank, target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj",
+                                                                     "up_proj", "down_proj"], init_lora_weights=False)
+    model = get_peft_model(base, config)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "lora_B" in name:
+                param.mul_(20.0)
+    return model
 
 
 @pytest.fixture(scope="session")
@@ -65,3 +74,48 @@ PROMPTS = [
     [{"role": "user", "content": "hello"}, {"role": "assistant", "content": "hi there"},
      {"role": "user", "content": "count to five"}],
 ]
+
+
+# A tool the "tools" adapter learned to call: for TOOL_QUESTION it answers with this call, in the
+# template's own tool-call format (qwen: <tool_call>{...}</tool_call>).
+WEATHER_TOOLS = [{"type": "function", "function": {
+    "name": "get_weather", "description": "the weather in a city",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}]
+TOOL_QUESTION = "Weather in Paris?"
+TOOL_CALL = {"name": "get_weather", "arguments": {"city": "Paris"}}
+
+
+def make_tool_caller_output(folder, steps: int = 300) -> str:
+    """An adapter output that really calls WEATHER_TOOLS: LoRA fitted (in seconds) to answer
+    TOOL_QUESTION, with the tools in the prompt, by the TOOL_CALL function turn, as sft would
+    train on a tool-use row. Fails loudly if the fit does not take."""
+    import json
+
+    import torch
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    from registries.datasets.args import DataArguments
+    from stages.args import ModelArguments
+    from stages.loading import load_tokenizer_and_template, resolve_model_path
+
+    tokenizer, template = load_tokenizer_and_template(ModelArguments(model_name_or_path=BASE), DataArguments(template=TEMPLATE))
+    messages = [{"role": "user", "content": TOOL_QUESTION}, {"role": "function", "content": json.dumps(TOOL_CALL)}]
+    prompt, response = template.encode_oneturn(tokenizer, messages, None, json.dumps(WEATHER_TOOLS))
+    base = AutoModelForCausalLM.from_pretrained(resolve_model_path(BASE), dtype=torch.float32)
+    torch.manual_seed(0)
+    model = get_peft_model(base, LoraConfig(r=8, lora_alpha=16, target_modules="all-linear"))
+    ids = torch.tensor([prompt + response])
+    labels = torch.tensor([[-100] * len(prompt) + response])
+    optimizer = torch.optim.Adam([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+    for _ in range(steps):
+        out = model(input_ids=ids, labels=labels)
+        predicted = out.logits[0, len(prompt) - 1 : -1].argmax(-1).tolist()
+        if predicted == response:
+            break
+        optimizer.zero_grad()
+        out.loss.backward()
+        optimizer.step()
+    else:
+        raise AssertionError(f"the tool-call adapter did not fit its one example in {steps} steps")
+    return make_adapter_output(folder, seed=0, model=model)

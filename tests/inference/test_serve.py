@@ -1,6 +1,6 @@
 """The OpenAI-compatible Serve app, end to end: a real Ray Serve on 127.0.0.1, the official
 ``openai`` client and raw httpx, the transformers engine over the tiny model + two LoRA adapters
-(default: math; lora_modules: poet). One Serve app for the module (startup is the slow part)."""
+(default: math; lora_modules: poet, and tools, fitted to call a tool). One Serve app for the module (startup is the slow part)."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import httpx
 import pytest
 import yaml
 
-from .conftest import BASE, PROMPTS
+from .conftest import BASE, PROMPTS, TOOL_CALL, TOOL_QUESTION, WEATHER_TOOLS, make_tool_caller_output
 
 API_KEY = "sk-test-key"
 MAX_NEW = 12
@@ -27,9 +27,14 @@ def _free_port() -> int:
 
 
 @pytest.fixture(scope="module")
-def config(adapter_outputs):
+def tool_caller(tmp_path_factory):
+    return make_tool_caller_output(tmp_path_factory.mktemp("tools") / "tools")
+
+
+@pytest.fixture(scope="module")
+def config(adapter_outputs, tool_caller):
     return {"model_name_or_path": BASE, "template": "qwen", "adapter_name_or_path": adapter_outputs["math"],
-            "lora_modules": {"poet": adapter_outputs["poet"]}, "do_sample": False, "max_new_tokens": MAX_NEW,
+            "lora_modules": {"poet": adapter_outputs["poet"], "tools": tool_caller}, "do_sample": False, "max_new_tokens": MAX_NEW,
             "vllm_maxlen": MAXLEN, "api_key": API_KEY, "serve_max_ongoing_requests": 64}
 
 
@@ -77,7 +82,28 @@ def _auth() -> dict:
 
 
 def test_models_lists_default_and_adapters(client):
-    assert [m.id for m in client.models.list().data] == ["math", "poet"]
+    assert [m.id for m in client.models.list().data] == ["math", "poet", "tools"]
+
+
+def test_the_openai_client_reads_a_tool_call(client):
+    """The tools adapter answers in the template's tool-call format; the client gets a parsed call."""
+    messages = [{"role": "user", "content": TOOL_QUESTION}]
+    reply = client.chat.completions.create(model="tools", messages=messages, tools=WEATHER_TOOLS, max_tokens=48)
+    choice = reply.choices[0]
+    assert choice.finish_reason == "tool_calls" and choice.message.content is None
+    (call,) = choice.message.tool_calls
+    assert call.type == "function" and call.id
+    assert call.function.name == TOOL_CALL["name"] and json.loads(call.function.arguments) == TOOL_CALL["arguments"]
+    # Streamed, the same call arrives in a chunk, and the last choice says tool_calls.
+    chunks = [c for c in client.chat.completions.create(model="tools", messages=messages, tools=WEATHER_TOOLS,
+                                                         max_tokens=48, stream=True) if c.choices]
+    calls = [tc for c in chunks for tc in (c.choices[0].delta.tool_calls or [])]
+    assert [(tc.function.name, json.loads(tc.function.arguments)) for tc in calls] == [
+        (TOOL_CALL["name"], TOOL_CALL["arguments"])]
+    assert chunks[-1].choices[0].finish_reason == "tool_calls"
+    # Without the tools in the request, the same reply is plain text (nothing is parsed).
+    plain = client.chat.completions.create(model="tools", messages=messages, max_tokens=48).choices[0]
+    assert plain.message.tool_calls is None
 
 
 def test_greedy_completion_matches_in_process_chat_and_usage(client, local_chat):
