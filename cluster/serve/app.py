@@ -12,8 +12,10 @@ Each replica loads the model in ``__init__`` and answers on its event loop (Chat
 API); the engine queues or batches concurrent requests itself.
 """
 
-from __future__ import annotations
-
+# No `from __future__ import annotations` here: FastAPI reads the route methods' annotations
+# (``request: Request``), and newer FastAPI releases (0.165, what pip picks without the vllm
+# extra) do not resolve string annotations on a Serve ingress class, which turns every request
+# into a 400 for a missing "request" query parameter.
 import asyncio
 import hmac
 import os
