@@ -40,6 +40,7 @@ from stages.table import UnknownStageError, get_stage
 from .config_types import ConfigError, bool_word, coerce_key
 from .extras import check_extras
 from .lf_compat import apply_lf_compat
+from .paths import resolve_paths
 from .rl_checks import check_rl
 from .serve.args import ServeArguments
 from .training_checks import check_training_options
@@ -334,7 +335,7 @@ def _check_and_resolve(run: RunConfig, where: typing.Callable[[str], str], purpo
             f"lora (that is QLoRA), but finetuning_type is {tuning.finetuning_type!r}: quantized weights "
             "cannot be trained directly. Use finetuning_type: lora, or remove quantization_bit."
         )
-    _resolve_paths(run)
+    resolve_paths(run)  # workers and Serve replicas do not run in this directory
     if purpose != "train":
         check_extras({"quantization_bit": model.quantization_bit}, where)
         return
@@ -383,40 +384,6 @@ def _check_and_resolve(run: RunConfig, where: typing.Callable[[str], str], purpo
     check_extras({"deepspeed": training.get("deepspeed"), "quantization_bit": model.quantization_bit,
                   "rollout_backend": is_rl and run.rl.rollout_backend == "vllm"}, where)
     check_training_options(run.training, where)
-    # Ray Train workers do not run in the driver's directory: hand them absolute paths.
-    training["output_dir"] = _absolute(training["output_dir"])
-
-
-def _resolve_paths(run: RunConfig) -> None:
-    """Local paths made absolute: workers and Serve replicas do not run in this directory."""
-    model, tuning, data = run.model, run.finetuning, run.data
-    if run.training.values.get("output_dir"):
-        run.training.values["output_dir"] = _absolute(run.training.values["output_dir"])
-    if run.export.export_dir:
-        run.export.export_dir = _absolute(run.export.export_dir)
-    if run.inference.lora_modules:
-        run.inference.lora_modules = {k: _absolute_if_local(v) for k, v in run.inference.lora_modules.items()}
-    if model.cache_dir:
-        model.cache_dir = _absolute(model.cache_dir)
-    if data.tokenized_path:
-        data.tokenized_path = _absolute(data.tokenized_path)
-    model.model_name_or_path = _absolute_if_local(model.model_name_or_path)
-    data.dataset_dir = _absolute_if_local(data.dataset_dir)
-    for obj, name in ((tuning, "ref_model"), (tuning, "reward_model")):
-        setattr(obj, name, _absolute_if_local(getattr(obj, name)))
-    adapter_lists = ((model, "adapter_name_or_path"), (tuning, "ref_model_adapters"), (tuning, "reward_model_adapters"))
-    for obj, name in adapter_lists:
-        if getattr(obj, name):
-            setattr(obj, name, [_absolute_if_local(p) for p in getattr(obj, name)])
-
-
-def _absolute(path: str) -> str:
-    return path if "://" in path else os.path.abspath(os.path.expanduser(path))
-
-
-def _absolute_if_local(path: str | None) -> str | None:
-    """A hub id such as Qwen/Qwen3-0.6B stays as it is; an existing local path becomes absolute."""
-    return _absolute(path) if path and os.path.exists(os.path.expanduser(path)) else path
 
 
 __all__ = ["ConfigError", "RESOLVED_CONFIG_NAME", "RunConfig", "key_owners", "load_config", "parse_override"]

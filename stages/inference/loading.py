@@ -8,7 +8,7 @@ so the model sees at inference exactly the prompt format it was trained on.
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import yaml
 
@@ -17,7 +17,8 @@ from registries.errors import UserError
 from registries.templates.autodetect import AUTO
 
 from ..args import FinetuningArguments, GeneratingArguments, ModelArguments
-from ..loading import customize_template, resolve_model_path
+from ..loading import load_tokenizer_and_template as training_tokenizer_and_template
+from ..loading import resolve_model_path
 from .args import InferenceArguments
 
 SAVED_CONFIG = "rayfactory_config.yaml"  # written by every training run (cluster/config.py)
@@ -70,19 +71,14 @@ def saved_template_name(folder: str) -> str | None:
 
 def load_tokenizer_and_template(spec: InferenceSpec):
     """The tokenizer the output was saved with (it carries the stop words training added) and the
-    template it trained with, unless the config names one."""
-    from registries.models import load_tokenizer
-    from registries.templates.autodetect import resolve_template
-
+    template it trained with, unless the config names one; loaded as training loads them."""
     folder = spec.output_folder
     has_tokenizer = os.path.isfile(os.path.join(folder, "tokenizer_config.json"))
-    tokenizer = load_tokenizer(folder if has_tokenizer else resolve_model_path(spec.model.model_name_or_path))
     name = spec.data.template
     if name in (None, AUTO):
         name = saved_template_name(folder) or name
-    template = customize_template(resolve_template(name, tokenizer), spec.data)
-    template.fix_tokenizer(tokenizer)
-    return tokenizer, template
+    source = replace(spec.model, model_name_or_path=folder) if has_tokenizer else spec.model
+    return training_tokenizer_and_template(source, replace(spec.data, template=name))
 
 
 def load_hf_model(spec: InferenceSpec, tokenizer):
@@ -115,7 +111,7 @@ def load_hf_model(spec: InferenceSpec, tokenizer):
     first, *rest = named.items()
     model = _peft(model, first[1], first[0])
     for name, path in rest:
-        _check_adapter_folder(path, name)
+        check_adapter_folder(path, name)
         model.load_adapter(path, adapter_name=name)
     return model.eval(), tuple(named), DEFAULT_ADAPTER if live else None
 
@@ -123,11 +119,11 @@ def load_hf_model(spec: InferenceSpec, tokenizer):
 def _peft(model, path: str, name: str):
     from peft import PeftModel
 
-    _check_adapter_folder(path, name)
+    check_adapter_folder(path, name)
     return PeftModel.from_pretrained(model, path, adapter_name=name, is_trainable=False)
 
 
-def _check_adapter_folder(path: str, name: str) -> None:
+def check_adapter_folder(path: str, name: str) -> None:
     if os.path.exists(path) and not os.path.isfile(os.path.join(path, "adapter_config.json")):
         raise InferenceLoadError(
             f"adapter {name!r} at {path} holds no adapter_config.json, so it is not a LoRA adapter. Point it at "

@@ -26,7 +26,7 @@ from registries.errors import UserError
 
 from ..loading import resolve_model_path
 from .engine import DecodingParams, Generated, GenerationRequest, StreamDelta, TokenLogprob, check_prompt_fits, collect
-from .loading import DEFAULT_ADAPTER, InferenceLoadError, InferenceSpec, _check_adapter_folder
+from .loading import DEFAULT_ADAPTER, InferenceLoadError, InferenceSpec, check_adapter_folder
 
 # Read by vLLM when it is imported (the same quiet settings as the RL rollout engines; the
 # multiprocessing switch of those does not apply: AsyncLLM always runs its core in a process).
@@ -60,7 +60,7 @@ class VLLMChatEngine:
         max_model_len = _context_window(spec, model_path, tokenizer)
         named = _adapter_folders(spec)
         for name, path in named.items():
-            _check_adapter_folder(path, name)
+            check_adapter_folder(path, name)
             _check_rank(path, name, inference.vllm_max_lora_rank)
         loras = {name: LoRARequest(name, number, os.path.abspath(path))
                  for number, (name, path) in enumerate(named.items(), start=1)}
