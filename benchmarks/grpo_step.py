@@ -52,8 +52,9 @@ COLUMNS = [("setting", "setting", "{}"), ("steps", "steps", "{}"), ("s / step", 
 class RolePeakRSS(threading.Thread):
     """Peak RSS (MiB) of the driver and of the largest process of each role, sampled every POLL_S."""
 
-    def __init__(self):
+    def __init__(self, roles: dict[str, str] = ROLES):
         super().__init__(daemon=True)
+        self.roles = roles  # role -> the marker in its process title
         self.peak: dict[str, float] = {}
         self._halt = threading.Event()
 
@@ -69,7 +70,7 @@ class RolePeakRSS(threading.Thread):
             for proc in me.children(recursive=True):
                 try:
                     title = " ".join(proc.cmdline())
-                    for role, marker in ROLES.items():
+                    for role, marker in self.roles.items():
                         if marker in title:
                             self._note(role, proc)
                 except psutil.Error:  # gone between the listing and the read

@@ -373,7 +373,9 @@ def _check_and_resolve(run: RunConfig, where: typing.Callable[[str], str], purpo
             "(configs/deepspeed/ds_z2_config.json) or drop quantization_bit."
         )
     resume = training.get("resume_from_checkpoint")
-    if isinstance(resume, str):
+    # "auto" (the latest complete checkpoint in output_dir) stays as it is: it is resolved at launch,
+    # since output_dir may only get its checkpoints after this config was read (a rerun of a died run).
+    if isinstance(resume, str) and resume != "auto":
         if not os.path.isdir(resume):
             raise ConfigError(
                 f"resume_from_checkpoint {resume!r} in {where('resume_from_checkpoint')} does not exist "

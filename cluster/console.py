@@ -71,12 +71,21 @@ class Console:
         if tuning.spec.launch == "rl_controller":
             if cfg.rl.rollout_backend == "vllm":
                 engines = ", ".join(f"{name} {amount:g}" for name, amount in ray_args.rollout_resources.items())
-                where = "on the policy workers' bundles" if ray_args.colocate_rollout else f"each {engines}"
+                colocated = ray_args.colocate_rollout or ray_args.colocate_all
+                where = "on the policy workers' bundles" if colocated else f"each {engines}"
                 self.say(f"  rollout   {ray_args.rollout_num_engines} vLLM engine(s), {where}")
             else:
                 self.say("  rollout   transformers generate in the policy workers")
-            self.say(f"  rewards   {', '.join(cfg.rl.reward_funcs)}; {cfg.rl.num_generations} samples per prompt, "
+            scorers = ([f"reward model {tuning.reward_model} ({tuning.reward_model_type})"] if tuning.reward_model else [])
+            scorers += cfg.rl.reward_funcs
+            self.say(f"  rewards   {' + '.join(scorers)}; {cfg.rl.num_generations} samples per prompt, "
                      f"{cfg.rl.rollout_batch_size} prompts per step")
+            if tuning.stage == "ppo" and cfg.rl.uses_critic:
+                from stages.rl.critic import critic_source
+
+                self.say(f"  critic    {ray_args.critic_num_workers} worker(s) from the {critic_source(cfg)} model, "
+                         f"GAE (gamma {cfg.rl.gamma:g}, lam {cfg.rl.lam:g}), {cfg.rl.ppo_epochs} epochs x "
+                         f"{cfg.rl.ppo_buffer_size} mini-batches a step")
         self.say(f"  output    {cfg.training.output_dir}")
         if self.log_path:
             hint = "" if self.verbose else " (Ray's, the workers' and the libraries' output; --verbose shows it here)"

@@ -60,7 +60,7 @@ def run_exp(
     if do_train:  # a prediction-only run leaves the model folder's own saved config alone
         cfg.write_yaml()  # the resolved config, so the run can be repeated exactly
     console.plan(cfg)
-    resources = connect(cfg.ray, extra_cpus=_rollout_cpus(cfg))
+    resources = connect(cfg.ray, extra_cpus=_rl_role_cpus(cfg))
     _check_resources(cfg, resources)
     if not do_train:
         predicted = _predict(cfg, console, trained=False, template=configured_template)
@@ -183,12 +183,15 @@ def _looks_local(path: str) -> bool:
     return path.startswith(("/", "./", "../", "~", ".\\")) or path.count("/") > 1 or "\\" in path
 
 
-def _rollout_cpus(cfg: RunConfig) -> float:
-    """CPUs the rollout engines of an RL stage hold on their own bundles (none when colocated)."""
-    ray_args = cfg.ray
-    if cfg.finetuning.spec.launch != "rl_controller" or cfg.rl.rollout_backend != "vllm" or ray_args.colocate_rollout:
+def _rl_role_cpus(cfg: RunConfig) -> float:
+    """CPUs the roles of an RL stage other than the policy (rollout engines, critic, reward model)
+    hold on bundles of their own; colocated roles share the policy's."""
+    if cfg.finetuning.spec.launch != "rl_controller":
         return 0
-    return float(ray_args.rollout_resources.get("CPU", 0) or 0) * ray_args.rollout_num_engines
+    from fabric.rl_launcher import role_specs
+
+    return sum(float(role.resources.get("CPU", 0) or 0) * role.num_actors for role in role_specs(cfg.ray, cfg)
+               if role.name != "policy" and role.colocate_with is None)
 
 
 def _check_resources(cfg: RunConfig, resources: dict) -> None:

@@ -25,8 +25,6 @@ IGNORED_KEYS = {
     "data_shared_file_system": "Ray Data tokenizes once for all nodes",
     "print_param_status": "the trainable-parameter count is always logged",
     "hf_hub_token": "set HF_TOKEN in the environment instead (secrets stay out of saved configs)",
-    **{key: "stage ppo is not available yet; its options take effect once it is" for key in (
-        "ppo_epochs", "ppo_buffer_size", "ppo_target", "ppo_score_norm", "ppo_whiten_rewards")},
 }
 # LLaMA-Factory features not built here. Accepted only when off, so a YAML that lists them
 # still loads, and one that turns them on fails instead of quietly training something else.

@@ -18,6 +18,8 @@ def check_rl(run, where: Callable[[str], str]) -> None:
     """Rules of the RL stages, whose policy trains in RayFactory's own loop (no HF Trainer)."""
     from stages.rl.rewards import RewardFunctionError, load_reward_funcs
 
+    if run.finetuning.stage == "ppo":
+        _ppo_defaults(run)
     try:
         run.rl.check_for_stage(run.finetuning.stage)
     except ArgumentError as exc:
@@ -28,9 +30,17 @@ def check_rl(run, where: Callable[[str], str]) -> None:
     if os.getcwd() not in sys.path:
         sys.path.insert(0, os.getcwd())
     try:
-        load_reward_funcs(run.rl.reward_funcs, run.rl.reward_weights)
+        if run.rl.reward_funcs or run.finetuning.stage == "grpo":
+            load_reward_funcs(run.rl.reward_funcs, run.rl.reward_weights)
     except RewardFunctionError as exc:
         raise ConfigError(f"reward_funcs in {where('reward_funcs')}: {exc}") from None
+    if run.finetuning.stage == "ppo":
+        _check_ppo(run, where)
+    elif run.finetuning.reward_model:
+        raise ConfigError(
+            f"reward_model in {where('reward_model')}: stage {run.finetuning.stage} scores completions with "
+            "reward_funcs only; a reward model is read by stage ppo. Remove reward_model, or use stage: ppo."
+        )
     if run.training.values.get("deepspeed"):
         raise ConfigError(
             f"deepspeed in {where('deepspeed')}: stage {run.finetuning.stage} trains its policy with DDP across "
@@ -71,4 +81,75 @@ def check_rl(run, where: Callable[[str], str]) -> None:
             f"{completions} completions a step cannot be shared by ray_num_workers {ranks} policy workers "
             f"(each needs at least one). Raise rollout_batch_size (in {where('rollout_batch_size')}) or lower "
             "ray_num_workers."
+        )
+
+
+def _ppo_defaults(run) -> None:
+    """Stage ppo's own defaults for keys the config leaves out (grpo's differ), and LLaMA-Factory's
+    way of sizing a PPO step: per_device_train_batch_size x gradient_accumulation_steps x
+    ppo_buffer_size prompts per worker, answered max_new_tokens long."""
+    from stages.rl.args import PPO_DEFAULTS
+
+    for key, value in PPO_DEFAULTS.items():
+        if key not in run.raw:
+            setattr(run.rl, key, value)
+    rl, options = run.rl, run.training
+    if "rollout_batch_size" not in run.raw:
+        per_worker = int(options.per_device_train_batch_size) * int(options.gradient_accumulation_steps)
+        rl.rollout_batch_size = per_worker * rl.ppo_buffer_size * run.ray.ray_num_workers
+    if "max_completion_length" not in run.raw and "max_new_tokens" in run.raw:
+        rl.max_completion_length = int(run.generating.max_new_tokens)
+
+
+def _check_ppo(run, where: Callable[[str], str]) -> None:
+    from stages.value_head import VALUE_HEAD_FILE, is_adapter_folder
+
+    tuning, rl = run.finetuning, run.rl
+    if not tuning.reward_model and not rl.reward_funcs:
+        raise ConfigError(
+            f"stage ppo in {where('stage')} needs something to score completions: reward_model (the output_dir of a "
+            "stage rm run) or reward_funcs (e.g. [exact_match] or [my_rewards:score]), or both."
+        )
+    if tuning.reward_model_type == "api":
+        raise ConfigError(
+            f"reward_model_type api in {where('reward_model_type')}: scoring through a remote reward API is not built "
+            "yet. Use a reward model trained by stage rm (reward_model_type lora or full), or reward_funcs with a "
+            "function of your own that calls the API."
+        )
+    if tuning.reward_model_adapters:
+        raise ConfigError(
+            f"reward_model_adapters in {where('reward_model_adapters')}: adapters on top of a reward model are not "
+            "supported; merge them with `rayfactory export` and point reward_model at the export."
+        )
+    folder = tuning.reward_model
+    if folder:
+        if not os.path.isdir(folder):
+            raise ConfigError(
+                f"reward_model {folder!r} in {where('reward_model')} does not exist (looked for "
+                f"{os.path.abspath(folder)}). Point it at the output_dir of a stage rm run."
+            )
+        if not os.path.isfile(os.path.join(folder, VALUE_HEAD_FILE)):
+            raise ConfigError(
+                f"reward_model {folder!r} in {where('reward_model')} holds no {VALUE_HEAD_FILE}, so it is not a reward "
+                "model saved by stage rm. Point it at the output_dir (or a checkpoint) of an rm run."
+            )
+        adapter = is_adapter_folder(folder)
+        if adapter != (tuning.reward_model_type == "lora"):
+            kind = "a LoRA adapter" if adapter else "a full model"
+            raise ConfigError(
+                f"reward_model {folder!r} is {kind}, but reward_model_type is {tuning.reward_model_type!r} "
+                f"(in {where('reward_model_type')}). Set reward_model_type: {'lora' if adapter else 'full'}."
+            )
+    if rl.critic_init == "reward" and not folder:
+        raise ConfigError(
+            f"critic_init reward in {where('critic_init')} starts the critic from the reward model, but no "
+            "reward_model is set. Use critic_init: policy, or set reward_model."
+        )
+    mini_batch = rl.completions_per_step // rl.ppo_buffer_size
+    ranks = max(run.ray.ray_num_workers, run.ray.critic_num_workers if rl.uses_critic else 1)
+    if mini_batch < ranks:
+        raise ConfigError(
+            f"a PPO step's {rl.completions_per_step} completions in ppo_buffer_size {rl.ppo_buffer_size} mini-batches "
+            f"leave {mini_batch} per mini-batch, fewer than the {ranks} policy/critic workers that each need one. "
+            f"Lower ppo_buffer_size (in {where('ppo_buffer_size')}) or raise rollout_batch_size."
         )

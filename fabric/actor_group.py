@@ -16,6 +16,7 @@ import ray
 from ray.exceptions import RayTaskError
 
 from registries.errors import UserError, find_user_error
+from stages.rl.loop import concat, split_evenly  # noqa: F401  (re-exported: the groups' way to shard work)
 
 from .placement import RolePlacement
 
@@ -197,6 +198,8 @@ def gather(refs, timeout: float | None = None):
     """``ray.get``, except that a UserError raised in an actor is raised here as itself (so the CLI
     prints its message); Ray's wrapper, with the remote traceback, is kept as its ``__cause__``."""
     try:
+        if isinstance(refs, list) and len(refs) > 1:
+            _fail_fast(refs, timeout)
         return ray.get(refs, timeout=timeout)
     except RayTaskError as exc:
         user_error = find_user_error(exc)
@@ -205,18 +208,16 @@ def gather(refs, timeout: float | None = None):
         raise
 
 
-def split_evenly(items: list[T], parts: int) -> list[list[T]]:
-    """``parts`` contiguous slices whose sizes differ by at most one (the first ones are longer)."""
-    if parts < 1:
-        raise ValueError(f"split_evenly needs at least one part, got {parts}.")
-    size, extra = divmod(len(items), parts)
-    bounds = [i * size + min(i, extra) for i in range(parts + 1)]
-    return [list(items[bounds[i]:bounds[i + 1]]) for i in range(parts)]
-
-
-def concat(results: list[list[T]]) -> list[T]:
-    """The inverse of split_evenly: per-rank lists back into one, in rank order."""
-    return [item for part in results for item in part]
+def _fail_fast(refs: list, timeout: float | None) -> None:
+    """Wait for the calls one at a time as they finish, raising the first failure at once: when
+    one rank of a process group dies, the others block in a collective until its timeout, and
+    ``ray.get`` of the whole list would wait for them first."""
+    pending = list(refs)
+    while pending:
+        ready, pending = ray.wait(pending, num_returns=1, timeout=timeout)
+        if not ready:  # timed out: the caller's ray.get raises GetTimeoutError
+            return
+        ray.get(ready[0])
 
 
 def _shared(value):

@@ -38,6 +38,13 @@ class RayArguments:
     rollout_resources: dict[str, float] = field(default_factory=lambda: {"CPU": 1})
     rollout_tensor_parallel_size: int = 1  # GPUs per engine (vLLM tensor parallel); CPU engines: 1
     colocate_rollout: bool = False  # engines share the policy workers' bundles instead of their own
+    # Stage ppo: the critic's ranks (DDP, like the policy's) and the reward model's actors.
+    critic_num_workers: int | None = None  # None: ray_num_workers
+    critic_resources: dict[str, float] | None = None  # None: resources_per_worker
+    reward_num_workers: int = 1
+    reward_resources: dict[str, float] = field(default_factory=lambda: {"CPU": 1})
+    colocate_critic_reward: bool = False  # the reward model sits on the critic's bundles (OpenRLHF's option)
+    colocate_all: bool = False  # every role (critic, reward, rollout) shares the policy workers' bundles
 
     def __post_init__(self) -> None:
         if self.ray_num_workers < 1:
@@ -60,9 +67,13 @@ class RayArguments:
                 "ray_num_cpus sizes a local Ray, but ray_address joins an existing cluster, whose CPUs are "
                 "fixed when it starts. Remove one of them.",
             )
-        for key in ("resources_per_worker", "rollout_resources"):
+        if self.critic_num_workers is None:
+            self.critic_num_workers = self.ray_num_workers
+        if self.critic_resources is None:
+            self.critic_resources = dict(self.resources_per_worker)
+        for key in ("resources_per_worker", "rollout_resources", "critic_resources", "reward_resources"):
             _check_resources(key, getattr(self, key))
-        for key in ("rollout_num_engines", "rollout_tensor_parallel_size"):
+        for key in ("rollout_num_engines", "rollout_tensor_parallel_size", "critic_num_workers", "reward_num_workers"):
             if getattr(self, key) < 1:
                 raise ArgumentError(key, f"{key} must be at least 1, got {getattr(self, key)}.")
         path = self.ray_storage_path or DEFAULT_STORAGE

@@ -1,8 +1,14 @@
 """Launch an RL stage: place its roles, start them, hand the recipe its roles and prompts.
 
-    placement groups (policy bundles; rollout bundles or the policy's own) -> policy actor group
-    (process group, model, optimizer) -> vLLM engines -> prompts from Ray Data -> the stage's
-    recipe (stages/grpo.py) -> release everything, also on failure.
+    placement groups (policy bundles; rollout, critic and reward bundles or the policy's own)
+    -> policy and critic actor groups (process group, model, optimizer each) and reward actors
+    -> vLLM engines -> the stage's recipe (stages/grpo.py, stages/ppo.py) -> release everything,
+    also on failure.
+
+Fault tolerance, as Ray Train's ``max_failures`` for the other stages: when an attempt fails
+(a role actor died, a collective broke), every role is torn down and started again from the
+latest complete checkpoint in output_dir, up to max_failures times (-1: always). A user error
+(a bad reward function, a missing file) is not retried.
 """
 
 from __future__ import annotations
@@ -14,10 +20,10 @@ from typing import TYPE_CHECKING, Any, Callable, Optional
 from stages.job import JobSpec
 from stages.rl.roles import PromptRow, RLRun
 
-from .actor_group import ActorGroup
+from .actor_group import ActorGroup, gather
 from .args import RayArguments
 from .placement import RoleSpec, place_roles, release
-from .rl_roles import PolicyActor, RayRoles
+from .rl_roles import CriticActor, PolicyActor, RayRoles, RewardActor
 
 if TYPE_CHECKING:
     import ray
@@ -41,41 +47,99 @@ class RLResult:
 def launch_rl(spec: JobSpec, ray_args: RayArguments, train_ds: "ray.data.Dataset",
               eval_ds: "ray.data.Dataset | None", tokenizer, template,
               progress: Callable[[dict], None] | None = None) -> RLResult:
-    from stages.grpo import count_steps
+    from registries.errors import UserError
+    from stages.rl.checkpoint import latest_checkpoint, resolve_resume
 
-    rl = spec.rl
     prompts = prompt_rows(train_ds, tokenizer)
     eval_prompts = prompt_rows(eval_ds, tokenizer) if eval_ds is not None else []
-    total_updates = count_steps(len(prompts), rl.rollout_batch_size, spec.training) * rl.num_iterations
-    placements = place_roles(role_specs(ray_args, rl.rollout_backend), strategy=ray_args.placement_strategy)
-    policy = engines = None
+    output_dir = spec.training.output_dir
+    resume = resolve_resume(spec.training.resume_from_checkpoint, output_dir)
+    failures = 0
+    while True:
+        run = RLRun(spec, None, prompts, tokenizer, template, eval_prompts=eval_prompts,
+                    on_log=_console_feed(progress), resume_from=resume)
+        try:
+            return RLResult(metrics=_attempt(run, ray_args))
+        except (UserError, KeyboardInterrupt):
+            raise
+        except Exception as exc:
+            if ray_args.max_failures != -1 and failures >= ray_args.max_failures:
+                raise
+            failures += 1
+            resume = latest_checkpoint(output_dir)
+            logger.warning("RL attempt failed (%s: %s); restarting every role from %s (failure %d of %s)",
+                           type(exc).__name__, exc, resume or "the start", failures,
+                           "unlimited" if ray_args.max_failures == -1 else ray_args.max_failures)
+
+
+def _attempt(run: RLRun, ray_args: RayArguments) -> dict:
+    """One try: place and start the roles, run the recipe, release everything."""
+    from stages.rl.loop import count_steps
+
+    spec, rl = run.spec, run.spec.rl
+    steps = count_steps(len(run.prompts), rl.rollout_batch_size, spec.training)
+    updates_per_step = rl.ppo_epochs * rl.ppo_buffer_size if spec.finetuning.stage == "ppo" else rl.num_iterations
+    total_updates = steps * updates_per_step
+    roles = role_specs(ray_args, spec)
+    placements = place_roles(roles, strategy=ray_args.placement_strategy)
+    groups: list[ActorGroup] = []
     try:
-        policy = ActorGroup(PolicyActor, placements["policy"], spec, name="policy")
-        policy.init_process_group("nccl" if ray_args.uses_gpu else "gloo")
-        policy.scatter(PolicyActor.setup, list(range(policy.size)), policy.size, total_updates)
-        weight_sync = None
+        policy = _trainable_group(PolicyActor, placements["policy"], spec, ray_args, groups)
+        critic = _trainable_group(CriticActor, placements["critic"], spec, ray_args, groups) if "critic" in placements else None
+        reward = None
+        if "reward" in placements:
+            reward = ActorGroup(RewardActor, placements["reward"], spec, name="reward")
+            groups.append(reward)
+        # The roles load their models at the same time.
+        refs = policy.scatter_async(PolicyActor.setup, list(range(policy.size)), policy.size, total_updates)
+        if critic is not None:
+            refs += critic.scatter_async(CriticActor.setup, list(range(critic.size)), critic.size, total_updates)
+        if reward is not None:
+            refs += reward.call_all_async(RewardActor.setup)
+        gather(refs)
+        engines = weight_sync = None
         if rl.rollout_backend == "vllm":
             engines, weight_sync = _start_engines(spec, ray_args, placements["rollout"])
-        run = RLRun(spec, RayRoles(policy, engines, weight_sync), prompts, tokenizer, template,
-                    eval_prompts=eval_prompts, on_log=_console_feed(progress))
-        metrics = spec.stage.load_runner()(run)
-        return RLResult(metrics=metrics)
+            groups.append(engines)
+        run.roles = RayRoles(policy, engines, weight_sync, critic=critic, reward=reward)
+        return spec.stage.load_runner()(run)
     finally:
-        for group in (engines, policy):
-            if group is not None:
-                group.kill()
+        for group in reversed(groups):
+            group.kill()
         release(placements)
 
 
-def role_specs(ray_args: RayArguments, rollout_backend: str) -> list[RoleSpec]:
+def _trainable_group(actor_cls, placement, spec: JobSpec, ray_args: RayArguments, groups: list) -> ActorGroup:
+    group = ActorGroup(actor_cls, placement, spec, name=placement.role)
+    groups.append(group)
+    group.init_process_group("nccl" if ray_args.uses_gpu else "gloo")
+    return group
+
+
+def role_specs(ray_args: RayArguments, spec: JobSpec) -> list[RoleSpec]:
     """The roles and their resources, as the config's placement keys say."""
+    rl, stage = spec.rl, spec.finetuning.stage
+    everything = "policy" if ray_args.colocate_all else None
     roles = [RoleSpec("policy", ray_args.ray_num_workers, dict(ray_args.resources_per_worker),
                       num_actors_key="ray_num_workers", resources_key="resources_per_worker")]
-    if rollout_backend == "vllm":
+    if rl.rollout_backend == "vllm":
+        shares_all = ray_args.colocate_all and not ray_args.colocate_rollout  # the whole bundle, GPU included
         roles.append(RoleSpec(
-            "rollout", ray_args.rollout_num_engines, dict(ray_args.rollout_resources),
-            colocate_with="policy" if ray_args.colocate_rollout else None,
+            "rollout", ray_args.rollout_num_engines, {} if shares_all else dict(ray_args.rollout_resources),
+            colocate_with="policy" if ray_args.colocate_rollout else everything,
             num_actors_key="rollout_num_engines", resources_key="rollout_resources",
+        ))
+    critic = stage == "ppo" and rl.uses_critic
+    if critic:
+        roles.append(RoleSpec(
+            "critic", ray_args.critic_num_workers, {} if everything else dict(ray_args.critic_resources),
+            colocate_with=everything, num_actors_key="critic_num_workers", resources_key="critic_resources",
+        ))
+    if stage == "ppo" and spec.finetuning.reward_model:
+        host = everything or (("critic" if critic else "policy") if ray_args.colocate_critic_reward else None)
+        roles.append(RoleSpec(
+            "reward", ray_args.reward_num_workers, {} if host else dict(ray_args.reward_resources),
+            colocate_with=host, num_actors_key="reward_num_workers", resources_key="reward_resources",
         ))
     return roles
 
@@ -97,7 +161,7 @@ def _start_engines(spec: JobSpec, ray_args: RayArguments, placement):
         seed=spec.training.seed,
         tensor_parallel_size=ray_args.rollout_tensor_parallel_size,
         gpu_memory_utilization=rl.vllm_gpu_memory_utilization or (
-            COLOCATED_GPU_SHARE if ray_args.colocate_rollout and ray_args.uses_gpu else None),
+            COLOCATED_GPU_SHARE if (ray_args.colocate_rollout or ray_args.colocate_all) and ray_args.uses_gpu else None),
     )
     engines = ActorGroup(RolloutActor, placement, config, env_vars=engine_runtime_env()["env_vars"], name="rollout")
     return engines, ObjectStoreSync()

@@ -4,8 +4,10 @@
   the reference, when beta > 0, lives in the same processes (LoRA: the adapter switched off).
 * rollout: ``rollout_num_engines`` vLLM engines, or none when ``rollout_backend: hf`` (the
   policy ranks then generate with transformers).
-* reward: the rule functions run in the controller (they are cheap Python); reward models as a
-  role of their own come with PPO.
+* critic (stage ppo with GAE): ``critic_num_workers`` ranks of ``CriticWorker``, a DDP group of
+  their own.
+* reward: a reward model (stage ppo's reward_model) as ``reward_num_workers`` actors of
+  ``RewardModelWorker``; rule functions run in the controller (they are cheap Python).
 
 Work is split evenly over a group's actors and the results are put back in order, so the recipe
 sees one policy and one rollout service whatever their sizes.
@@ -13,24 +15,38 @@ sees one policy and one rollout service whatever their sizes.
 
 from __future__ import annotations
 
+import os
 from typing import Optional
 
+from stages.rl.critic import CriticWorker
 from stages.rl.policy import PolicyWorker
-from stages.rl.roles import RLRoles
+from stages.rl.reward_model import RewardModelWorker
+from stages.rl.roles import PPORoles
 from stages.rl.types import Completion, RolloutSample, SamplingSpec
 
-from .actor_group import ActorGroup, RoleWorker, concat, split_evenly
+from .actor_group import ActorGroup, RoleWorker, concat, gather, split_evenly
 
 
 class PolicyActor(RoleWorker, PolicyWorker):
     """A policy rank: the stage's PolicyWorker in a Ray actor that can join a process group."""
 
 
-class RayRoles(RLRoles):
-    def __init__(self, policy: ActorGroup[PolicyActor], engines: Optional[ActorGroup] = None, weight_sync=None):
+class CriticActor(RoleWorker, CriticWorker):
+    """A critic rank: the stage's CriticWorker in a Ray actor that can join a process group."""
+
+
+class RewardActor(RoleWorker, RewardModelWorker):
+    """A reward model replica."""
+
+
+class RayRoles(PPORoles):
+    def __init__(self, policy: ActorGroup[PolicyActor], engines: Optional[ActorGroup] = None, weight_sync=None,
+                 critic: Optional[ActorGroup[CriticActor]] = None, reward: Optional[ActorGroup[RewardActor]] = None):
         self.policy = policy
         self.engines = engines
         self.weight_sync = weight_sync
+        self.critic = critic
+        self.reward = reward
         self.policy_size = policy.size
 
     def generate(self, prompt_ids: list[list[int]], sampling: SamplingSpec) -> list[Completion]:
@@ -68,8 +84,33 @@ class RayRoles(RLRoles):
         stats = self.weight_sync.push(blob, self.engines.actors)
         return {"time/sync_load": stats.load_seconds}
 
+    def critic_values(self, samples: list[RolloutSample]) -> list[list[float]]:
+        return concat(self.critic.scatter(CriticActor.values, split_evenly(samples, self.critic.size)))
+
+    def critic_update(self, samples: list[RolloutSample], normalizer: float) -> dict[str, float]:
+        reports = self.critic.scatter(CriticActor.update, split_evenly(samples, self.critic.size), normalizer)
+        return _merge_reports(reports)
+
+    def reward_scores(self, samples: list[RolloutSample]) -> list[float]:
+        return concat(self.reward.scatter(RewardActor.scores, split_evenly(samples, self.reward.size)))
+
     def save(self, output_dir: str) -> None:
         self.policy.call_rank0(PolicyActor.save, output_dir)
+        if self.critic is not None:
+            self.critic.call_rank0(CriticActor.save, output_dir)
+
+    def save_checkpoint(self, folder: str) -> None:
+        """Each learning role's ranks write their part at once (policy/ and critic/ inside folder)."""
+        refs = self.policy.call_all_async(PolicyActor.save_checkpoint, os.path.join(folder, "policy"))
+        if self.critic is not None:
+            refs += self.critic.call_all_async(CriticActor.save_checkpoint, os.path.join(folder, "critic"))
+        gather(refs)
+
+    def load_checkpoint(self, folder: str) -> None:
+        refs = self.policy.call_all_async(PolicyActor.load_checkpoint, os.path.join(folder, "policy"))
+        if self.critic is not None:
+            refs += self.critic.call_all_async(CriticActor.load_checkpoint, os.path.join(folder, "critic"))
+        gather(refs)
 
 
 def _merge_reports(reports: list[dict]) -> dict[str, float]:

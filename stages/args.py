@@ -86,8 +86,12 @@ class FinetuningArguments:
     kto_rejected_weight: float = 1.0
     ref_model: str | None = None  # None: the policy's own initial weights (adapter disabled for LoRA)
     ref_model_adapters: list[str] | None = None
-    reward_model: str | None = None  # required by stage ppo
+    # Stage ppo scores completions with reward_model (a stage rm output) and/or reward_funcs.
+    # reward_model_type, as in LLaMA-Factory: lora, an rm adapter on the policy's own base model;
+    # full, a whole reward model of its own; api is not built (an error says so).
+    reward_model: str | None = None
     reward_model_adapters: list[str] | None = None
+    reward_model_type: Literal["lora", "full", "api"] = "lora"
     plot_loss: bool = False
 
     def __post_init__(self) -> None:
@@ -127,10 +131,6 @@ class FinetuningArguments:
                 raise ArgumentError(
                     name, f"{name} is a LoRA option, but finetuning_type is {self.finetuning_type!r}. Remove {name}."
                 )
-        if self.stage == "ppo" and not self.reward_model:
-            raise ArgumentError(
-                "reward_model", "stage ppo needs reward_model (a reward model folder). Set reward_model."
-            )
 
     @property
     def spec(self) -> StageSpec:

@@ -147,7 +147,7 @@ register_stage(StageSpec(
     needs_reference=_always,  # when beta > 0; beta 0 loads none (stages/rl/policy.py)
 ))
 register_stage(StageSpec(
-    "ppo", "PPO with actor, critic, reward and reference as Ray actor groups",
+    "ppo", "PPO: policy, critic, reward model and vLLM rollouts as Ray actor groups, GAE and a KL controller",
     dataset_need="prompt_only", tokenize="unsupervised", collator="collators:prompt_collator",
-    runner=None, launch="rl_controller", needs_reference=_always,
+    runner="ppo:run_ppo", launch="rl_controller", needs_reference=_always,
 ))

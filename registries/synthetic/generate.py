@@ -21,6 +21,7 @@ from typing import Any
 
 from .identity import IDENTITY_PAIRS
 from .tasks import ADDITION, COPYING, REVERSAL, TOOL_ADD, TOOL_REVERSE, SyntheticTask
+from .words import WORDS
 
 SEED = 20250601
 EVAL_FRACTION = 0.2
@@ -120,6 +121,14 @@ def build(seed: int = SEED) -> list[DemoFile]:
     tools = {"formatting": "sharegpt", "columns": {"messages": "conversations", "tools": "tools"}}
     add("tool_calls", "tool_calls.json", tools, _json(_tool_rows(train, 300, rng)))
     add("tool_calls_eval", "tool_calls_eval.json", tools, _json(_tool_rows(held_out, 60, rng)))
+
+    # Stage ppo's demo preference (sft -> rm -> ppo): a number answers an addition question, a word
+    # does not. A reward model learns it in ~150 steps; a policy that still answers with anything
+    # but a number has room to climb.
+    rng = random.Random(f"{seed}:format_preferences")
+    add("arith_format_pref", "arith_format_pref.json", ranking, _json(_format_pairs(train["addition"], rng)))
+    add("arith_format_pref_eval", "arith_format_pref_eval.json", ranking,
+        _json(_format_pairs(held_out["addition"], rng)))
     return files
 
 
@@ -188,6 +197,10 @@ def _openai_tasks(prompts, n, multi_turn, rng) -> list[dict]:
 
 def _alpaca_pairs(prompts: list[str], rng: random.Random) -> list[dict]:
     return [{"instruction": p, "chosen": ADDITION.solve(p), "rejected": ADDITION.wrong(p, rng)} for p in prompts]
+
+
+def _format_pairs(prompts: list[str], rng: random.Random) -> list[dict]:
+    return [{"instruction": p, "chosen": ADDITION.solve(p), "rejected": rng.choice(WORDS)} for p in prompts]
 
 
 def _sharegpt_pairs(prompts: list[str], rng: random.Random) -> list[dict]:

@@ -172,7 +172,9 @@ def policy_loss(
     """The clipped-surrogate loss of a padded batch, and its metrics.
 
     ``logp`` / ``old_logp`` / ``ref_logp`` / ``mask`` are [B, T] (mask 1 on completion tokens);
-    ``advantages`` is [B]. Per token, with ratio = exp(logp - old_logp) and A the advantage:
+    ``advantages`` is [B] (one per sequence, shared by its tokens: GRPO) or [B, T] (one per token:
+    PPO's GAE; padding entries are ignored, even if NaN). Per token, with ratio =
+    exp(logp - old_logp) and A the token's advantage:
 
         loss_tok = -min(ratio * A, clip(ratio, 1 - epsilon_low, 1 + epsilon_high) * A) + beta * kl_tok
 
@@ -198,14 +200,18 @@ def policy_loss(
     logp = _as_float(logp)
     mask = torch.as_tensor(mask).to(device=logp.device, dtype=logp.dtype)
     old_logp = _as_float(old_logp).detach().to(logp.device)
-    adv = _as_float(advantages).detach().to(device=logp.device, dtype=logp.dtype).reshape(-1, 1)
-    if not (logp.shape == old_logp.shape == mask.shape) or logp.dim() != 2 or adv.shape[0] != logp.shape[0]:
-        raise ValueError(f"policy_loss wants logp, old_logp, mask [B, T] and advantages [B]; got {tuple(logp.shape)}, "
-                         f"{tuple(old_logp.shape)}, {tuple(mask.shape)}, {tuple(advantages.shape)}.")
+    adv = _as_float(advantages).detach().to(device=logp.device, dtype=logp.dtype)
+    per_sequence = adv.dim() == 1 and adv.shape[0] == logp.shape[0]
+    if (not (logp.shape == old_logp.shape == mask.shape) or logp.dim() != 2
+            or not (per_sequence or adv.shape == logp.shape)):
+        raise ValueError(f"policy_loss wants logp, old_logp, mask [B, T] and advantages [B] or [B, T]; got "
+                         f"{tuple(logp.shape)}, {tuple(old_logp.shape)}, {tuple(mask.shape)}, {tuple(adv.shape)}.")
 
     # Padding may hold any value (even -inf): zero it before exp so it cannot leak NaN into the grads.
     keep = mask > 0
     logp, old_logp = torch.where(keep, logp, 0.0), torch.where(keep, old_logp, 0.0)
+    # Per-sequence advantages broadcast over the row; per-token ones get their padding zeroed too.
+    adv = adv.unsqueeze(1) if per_sequence else torch.where(keep, adv, 0.0)
     ratio = torch.exp(logp - old_logp)
     clipped = torch.clamp(ratio, 1 - epsilon_low, 1 + epsilon_high)
     per_token = -torch.min(ratio * adv, clipped * adv)

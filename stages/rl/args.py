@@ -11,8 +11,12 @@ from typing import Literal, Optional
 
 from registries.errors import ArgumentError
 
-AdvantageEstimator = Literal["group_norm", "dr_grpo", "rloo", "reinforce_baseline"]
+AdvantageEstimator = Literal["gae", "group_norm", "dr_grpo", "rloo", "reinforce_baseline"]
 GROUP_ESTIMATORS = ("group_norm", "dr_grpo", "rloo", "reinforce_baseline")  # all need n > 1 per prompt
+# Stage ppo's defaults where they differ from grpo's (applied when the config does not set the key):
+# a critic and GAE, one completion per prompt, the KL as a per-token k1 penalty in the reward with
+# TRL's initial coefficient 0.2 (LLaMA-Factory's PPO runs on TRL 0.9 with these).
+PPO_DEFAULTS = {"advantage_estimator": "gae", "num_generations": 1, "kl_estimator": "k1", "beta": 0.2}
 
 
 @dataclass
@@ -27,9 +31,11 @@ class RLArguments:
     reward_funcs: list[str] = field(default_factory=list)
     reward_weights: Optional[list[float]] = None  # None: 1.0 each
     # --- advantages and loss --------------------------------------------------------------------
-    advantage_estimator: AdvantageEstimator = "group_norm"
+    advantage_estimator: AdvantageEstimator = "group_norm"  # gae: stage ppo's critic-based estimator
     scale_rewards: Literal["group", "batch", "none"] = "group"  # group_norm's std: per group, whole batch, none
-    beta: float = 0.0  # KL-to-reference weight; 0 loads no reference model at all
+    # KL-to-reference weight; 0 loads no reference model at all. grpo adds it to the loss; ppo puts
+    # the KL into the reward, per token, and beta is the KL controller's starting coefficient.
+    beta: float = 0.0
     kl_estimator: Literal["k1", "k2", "k3"] = "k3"
     epsilon: float = 0.2  # clip range of the probability ratio ...
     epsilon_high: Optional[float] = None  # ... and its upper side (DAPO's clip-higher); None: epsilon
@@ -40,6 +46,22 @@ class RLArguments:
     num_iterations: int = 1  # policy updates per rollout batch (TRL's mu)
     # Drop prompt groups whose completions all got the same reward (no signal); the kept share is logged.
     dynamic_filtering: bool = False
+    # --- PPO (stage ppo; LLaMA-Factory's key names where it has them) ---------------------------
+    ppo_epochs: int = 4  # passes over each rollout batch
+    ppo_buffer_size: int = 1  # mini-batches per rollout batch: one optimizer step of each role apiece
+    ppo_target: float = 6.0  # the adaptive KL controller's target KL per completion
+    adaptive_kl: bool = True  # false: beta stays fixed
+    kl_horizon: int = 10000  # completions over which the adaptive coefficient may move by +-20%
+    ppo_score_norm: bool = False  # scores divided by a running std after a running mean is taken off
+    ppo_whiten_rewards: bool = False  # whiten the per-token rewards (keeping their mean) before GAE
+    gamma: float = 1.0  # GAE discount
+    lam: float = 0.95  # GAE lambda
+    cliprange_value: Optional[float] = 0.2  # the critic's values move at most this far from the rollout's; None: unclipped
+    # The critic (a causal LM + value head) starts from the reward model ("reward": its weights and
+    # head, OpenRLHF's default) or from the policy ("policy": a fresh head). None: reward when
+    # reward_model is set, else policy.
+    critic_init: Optional[Literal["reward", "policy"]] = None
+    critic_learning_rate: Optional[float] = None  # None: learning_rate
     # --- rollout engines (vLLM) -----------------------------------------------------------------
     vllm_kv_cache_gib: float = 0.25  # KV cache per engine; on CPU it must be set (the default takes RAM)
     vllm_enforce_eager: bool = True  # skip graph capture / torch.compile (~40 s on CPU)
@@ -49,7 +71,8 @@ class RLArguments:
     vllm_gpu_memory_utilization: Optional[float] = None
 
     def __post_init__(self) -> None:
-        for name in ("rollout_batch_size", "num_generations", "max_completion_length", "num_iterations"):
+        for name in ("rollout_batch_size", "num_generations", "max_completion_length", "num_iterations", "ppo_epochs",
+                     "ppo_buffer_size", "kl_horizon"):
             if getattr(self, name) < 1:
                 raise ArgumentError(name, f"{name} must be at least 1, got {getattr(self, name)}.")
         if self.epsilon_high is None:
@@ -65,11 +88,21 @@ class RLArguments:
                 f"reward_weights has {len(self.reward_weights)} weights for {len(self.reward_funcs)} reward_funcs; "
                 "give one weight per function, in the same order, or remove reward_weights.",
             )
+        if not (0 <= self.gamma <= 1 and 0 <= self.lam <= 1):
+            raise ArgumentError("gamma", f"gamma and lam must lie in [0, 1], got gamma {self.gamma}, lam {self.lam}.")
+        if self.ppo_target <= 0:
+            raise ArgumentError("ppo_target", f"ppo_target (the target KL) must be positive, got {self.ppo_target}.")
         if self.vllm_kv_cache_gib <= 0:
             raise ArgumentError("vllm_kv_cache_gib", f"vllm_kv_cache_gib must be positive, got {self.vllm_kv_cache_gib}.")
 
     def check_for_stage(self, stage: str) -> None:
         """Rules that depend on the stage (called for RL stages only)."""
+        if self.advantage_estimator == "gae" and stage != "ppo":
+            raise ArgumentError(
+                "advantage_estimator",
+                f"advantage_estimator gae needs a critic, which only stage ppo trains; stage {stage} compares "
+                "completions of one prompt instead. Use group_norm, dr_grpo, rloo or reinforce_baseline, or stage ppo.",
+            )
         if self.advantage_estimator in GROUP_ESTIMATORS and self.num_generations < 2:
             raise ArgumentError(
                 "num_generations",
@@ -83,6 +116,10 @@ class RLArguments:
                 "stage grpo needs reward_funcs: a list of reward functions, e.g. reward_funcs: [exact_match] "
                 "or [my_rewards:score] (a module on the Python path and a function in it).",
             )
+
+    @property
+    def uses_critic(self) -> bool:
+        return self.advantage_estimator == "gae"
 
     @property
     def completions_per_step(self) -> int:

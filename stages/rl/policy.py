@@ -14,12 +14,12 @@ weight_decay, adam_*, max_grad_norm, lr_scheduler_type, warmup_steps).
 
 from __future__ import annotations
 
-import contextlib
 import logging
 from typing import TYPE_CHECKING, Optional
 
 import torch
 
+from .trainable import TrainableRole, completion_mask, pad_rows
 from .types import Completion, RolloutSample, SamplingSpec
 
 if TYPE_CHECKING:
@@ -28,59 +28,41 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 
-class PolicyWorker:
+class PolicyWorker(TrainableRole):
     def __init__(self, spec: "JobSpec"):
         self.spec = spec
-        self.dp_rank, self.dp_size = 0, 1  # data-parallel rank and size, set by setup()
         self.model = None  # the (maybe PEFT) model; self.train_model wraps it in DDP when world_size > 1
+        # grpo adds beta * KL to the loss; ppo has already put the KL into the rewards.
+        self.kl_loss_coef = spec.rl.beta if spec.finetuning.stage != "ppo" else 0.0
 
     # --- set-up --------------------------------------------------------------------------------
     def setup(self, rank: int, world_size: int, total_updates: int) -> dict:
         """Load tokenizer, model, reference; build optimizer and schedule. Called once per rank
         after the process group exists. Returns parameter counts for the run's plan."""
-        from transformers import get_scheduler
-
         from ..adapters import count_parameters
         from ..loading import load_model, load_tokenizer_and_template
         from ..preference import Reference, build_reference, disable_dropout
 
-        self.dp_rank, self.dp_size = rank, world_size
         spec, options = self.spec, self.spec.training
         torch.manual_seed(options.seed)  # the same LoRA initialisation on every rank
         self.tokenizer, self.template = load_tokenizer_and_template(spec.model, spec.data)
-        self.model = load_model(spec.model, spec.finetuning, self.tokenizer, options)
+        model = load_model(spec.model, spec.finetuning, self.tokenizer, options)
         if torch.cuda.is_available():  # Ray gives a GPU actor its own device(s) only: cuda:0 is ours
-            self.model.to("cuda")
+            model.to("cuda")
         # Dropout would make the recomputed log-probs differ from the sampler's and from the
         # reference's for the same tokens: RL recipes (TRL, OpenRLHF) turn it off.
-        disable_dropout(self.model)
+        disable_dropout(model)
         if options.gradient_checkpointing:
-            self.model.gradient_checkpointing_enable()
+            model.gradient_checkpointing_enable()
         self.reference = (
-            build_reference(self.model, spec.model, spec.finetuning, self.tokenizer, options)
+            build_reference(model, spec.model, spec.finetuning, self.tokenizer, options)
             if spec.rl.beta > 0 else Reference("none")
         )
         if self.reference.kind == "model":
-            self.reference.model.to(next(self.model.parameters()).device).eval()
-        self.model.train()
-        self.train_model = self.model
-        if world_size > 1:
-            from torch.nn.parallel import DistributedDataParallel
-
-            # Every trainable parameter is in the loss, so DDP need not search for unused ones.
-            self.train_model = DistributedDataParallel(self.model, find_unused_parameters=False)
-        params = [p for p in self.model.parameters() if p.requires_grad]
-        self.optimizer = torch.optim.AdamW(
-            params, lr=options.learning_rate, betas=(options.adam_beta1, options.adam_beta2),
-            eps=options.adam_epsilon, weight_decay=options.weight_decay,
-        )
-        warmup = options.warmup_steps
-        warmup = int(warmup * total_updates) if 0 < warmup < 1 else int(warmup)  # a ratio, as in transformers 5
-        self.scheduler = get_scheduler(
-            options.lr_scheduler_type, self.optimizer, num_warmup_steps=warmup, num_training_steps=total_updates,
-            scheduler_specific_kwargs=_scheduler_kwargs(options.lr_scheduler_kwargs),
-        )
-        trainable, total = count_parameters(self.model)
+            self.reference.model.to(next(model.parameters()).device).eval()
+        model.train()
+        self._prepare_training(model, rank, world_size, total_updates)
+        trainable, total = count_parameters(model)
         return {"trainable_params": trainable, "total_params": total, "reference": self.reference.kind}
 
     @property
@@ -114,36 +96,9 @@ class PolicyWorker:
         return [t.tolist() for t in out]
 
     def update(self, samples: list[RolloutSample], normalizer: float) -> dict:
-        """One optimizer step on this rank's share of the step's samples.
-
-        ``normalizer`` is the whole step's (every rank's) loss denominator: each micro-batch's loss
-        is its part of the full batch's loss, so the summed gradient (with DDP's mean over ranks
-        undone by ``world_size``) equals one big batch's.
-        """
-        options = self.spec.training
-        micro = max(1, int(options.per_device_train_batch_size))
-        chunks = [samples[i : i + micro] for i in range(0, len(samples), micro)]
-        totals: dict[str, float] = {}
-        self.optimizer.zero_grad(set_to_none=True)
-        for index, chunk in enumerate(chunks):
-            last = index == len(chunks) - 1
-            # DDP syncs gradients on the last micro-batch only; no_sync must cover its forward too.
-            sync = self.train_model.no_sync() if (self.dp_size > 1 and not last) else contextlib.nullcontext()
-            with sync:
-                loss, metrics = self._chunk_loss(chunk, normalizer)
-                (loss * self.dp_size).backward()  # DDP averages over ranks; the loss is already a global share
-            weight = len(chunk)
-            metrics.pop("num_tokens", None)  # a per-micro-batch count: meaningless once merged
-            for key, value in {"loss": loss.item() * self.dp_size, **metrics}.items():
-                totals[key] = totals.get(key, 0.0) + value * (1 if key == "loss" else weight)
-        grad_norm = None
-        if options.max_grad_norm and options.max_grad_norm > 0:
-            grad_norm = float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), options.max_grad_norm))
-        self.optimizer.step()
-        self.scheduler.step()
-        out = {key: (value if key == "loss" else value / max(len(samples), 1)) for key, value in totals.items()}
-        out.update(grad_norm=grad_norm, lr=self.scheduler.get_last_lr()[0], num_samples=len(samples))
-        return out
+        """One optimizer step on this rank's share of the step's samples; ``normalizer`` is the
+        whole step's (every rank's) loss denominator (algorithms.loss_normalizer)."""
+        return self._optimizer_step(samples, lambda chunk: self._chunk_loss(chunk, normalizer))
 
     def _chunk_loss(self, chunk: list[RolloutSample], normalizer: float):
         from .algorithms import policy_loss
@@ -152,17 +107,20 @@ class PolicyWorker:
         rl = self.spec.rl
         prompts, completions = _ids(chunk)
         # One forward per micro-batch: DDP pairs each forward with the backward that follows it.
-        logp = _pad(completion_logprobs(self.train_model, prompts, completions, self.pad_token_id,
-                                        temperature=self.spec.generating.temperature, micro_batch_size=len(chunk)))
-        mask = _pad([torch.ones(len(c)) for c in completions])
+        logp = pad_rows(completion_logprobs(self.train_model, prompts, completions, self.pad_token_id,
+                                            temperature=self.spec.generating.temperature, micro_batch_size=len(chunk)))
+        mask = completion_mask(completions)
         # One update per rollout (num_iterations 1): the old policy is the current one, ratio 1.
-        old = _pad([torch.tensor(s.old_logprobs) for s in chunk]) if chunk[0].old_logprobs else logp.detach()
-        ref = _pad([torch.tensor(s.ref_logprobs) for s in chunk]) if rl.beta > 0 else None
-        advantages = torch.tensor([s.advantage for s in chunk], dtype=torch.float32)
+        old = pad_rows([torch.tensor(s.old_logprobs) for s in chunk]) if chunk[0].old_logprobs else logp.detach()
+        ref = pad_rows([torch.tensor(s.ref_logprobs) for s in chunk]) if self.kl_loss_coef > 0 else None
+        if chunk[0].token_advantages:  # PPO's GAE: one advantage per token
+            advantages = pad_rows([torch.tensor(s.token_advantages) for s in chunk])
+        else:
+            advantages = torch.tensor([s.advantage for s in chunk], dtype=torch.float32)
         return policy_loss(
             logp, old, advantages, mask,
             epsilon_low=rl.epsilon, epsilon_high=rl.epsilon_high, loss_type=rl.loss_type,
-            max_completion_length=rl.max_completion_length, ref_logp=ref, beta=rl.beta,
+            max_completion_length=rl.max_completion_length, ref_logp=ref, beta=self.kl_loss_coef,
             kl_estimator=rl.kl_estimator, normalizer=normalizer,
         )
 
@@ -190,18 +148,5 @@ class PolicyWorker:
         return output_dir
 
 
-def _scheduler_kwargs(value) -> Optional[dict]:
-    """lr_scheduler_kwargs as transformers takes it: a dict, or its JSON text."""
-    if isinstance(value, str):
-        import json
-
-        value = json.loads(value) if value.strip() else None
-    return value or None
-
-
 def _ids(samples: list[RolloutSample]) -> tuple[list[list[int]], list[list[int]]]:
     return [s.prompt_ids for s in samples], [s.completion_ids for s in samples]
-
-
-def _pad(rows: list[torch.Tensor]) -> torch.Tensor:
-    return torch.nn.utils.rnn.pad_sequence([r.float() for r in rows], batch_first=True)

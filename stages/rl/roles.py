@@ -38,6 +38,25 @@ class RLRoles(Protocol):
     def save(self, output_dir: str) -> None:
         """Write the trained adapter or model and the tokenizer into output_dir."""
 
+    def save_checkpoint(self, folder: str) -> None:
+        """Every learning role writes its weights, optimizer, schedule and RNG under ``folder``."""
+
+    def load_checkpoint(self, folder: str) -> None:
+        """The inverse of save_checkpoint, into roles that were just set up."""
+
+
+class PPORoles(RLRoles, Protocol):
+    """Stage ppo's extra roles: a critic (when advantage_estimator is gae) and a reward model."""
+
+    def critic_values(self, samples: list[RolloutSample]) -> list[list[float]]:
+        """The critic's value before each completion token."""
+
+    def critic_update(self, samples: list[RolloutSample], normalizer: float) -> dict[str, float]:
+        """One optimizer step of the critic's clipped value loss over a mini-batch."""
+
+    def reward_scores(self, samples: list[RolloutSample]) -> list[float]:
+        """The reward model's score of each completion (reward_model set)."""
+
 
 @dataclass
 class PromptRow:
@@ -59,3 +78,4 @@ class RLRun:
     template: Any
     eval_prompts: list[PromptRow] = field(default_factory=list)
     on_log: Optional[Callable[[dict], None]] = None  # each logged record, for the console
+    resume_from: Optional[str] = None  # a complete RL checkpoint folder to continue from

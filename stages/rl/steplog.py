@@ -40,14 +40,16 @@ def write_results(output_dir: str, metrics: dict) -> str:
 
 
 class StepLog:
-    """Appends one JSON line per logged step to output_dir/trainer_log.jsonl (a new run starts it empty)."""
+    """Appends one JSON line per logged step to output_dir/trainer_log.jsonl (a new run starts it
+    empty; a resumed one appends to what its checkpoint kept)."""
 
-    def __init__(self, output_dir: str, total_steps: int):
+    def __init__(self, output_dir: str, total_steps: int, append: bool = False):
         self.path = os.path.join(output_dir, LOG_FILE)
         self.total_steps = total_steps
         self.start = time.time()
         os.makedirs(output_dir, exist_ok=True)
-        open(self.path, "w").close()
+        if not append:
+            open(self.path, "w").close()
 
     def write(self, step: int, values: dict) -> dict:
         elapsed = time.time() - self.start

@@ -51,3 +51,8 @@ class RolloutSample:
     ref_logprobs: list[float] = field(default_factory=list)  # frozen reference; empty when beta is 0
     rollout_logprobs: Optional[list[float]] = None  # what the sampler reported (raw, temperature 1)
     truncated: bool = False
+    # PPO with a critic: per-token advantages (GAE; when set they replace ``advantage``), the
+    # critic's values at rollout time and the returns it learns to predict.
+    token_advantages: list[float] = field(default_factory=list)
+    values: list[float] = field(default_factory=list)
+    returns: list[float] = field(default_factory=list)

@@ -248,7 +248,7 @@ def test_data_type_errors_come_from_data_arguments_with_the_file():
 
 def test_unknown_stage_suggests_the_closest():
     assert error_of(write("model_name_or_path: m\noutput_dir: o\nstage: sfft\n")) == (
-        "invalid stage in cfg.yaml: unknown stage 'sfft'; the stages are pt, sft, rm, dpo, kto, grpo, ppo (not yet). "
+        "invalid stage in cfg.yaml: unknown stage 'sfft'; the stages are pt, sft, rm, dpo, kto, grpo, ppo. "
         "Did you mean 'sft'?"
     )
     # orpo and simpo are objectives inside dpo, and the message says so
@@ -303,9 +303,10 @@ def test_neat_packing_with_packing_off():
     ({"stage": "dpo", "pref_loss": "ipo", "dpo_label_smoothing": 0.1},
      "invalid dpo_label_smoothing in the config dict: dpo_label_smoothing only applies to pref_loss sigmoid, "
      "not 'ipo'. Remove it."),
+    # ppo scores completions with a reward model or reward functions (cluster/rl_checks.py); neither is an error
     ({"stage": "ppo"},
-     "invalid reward_model in the config dict: stage ppo needs reward_model (a reward model folder). "
-     "Set reward_model."),
+     "stage ppo in the config dict needs something to score completions: reward_model (the output_dir of a "
+     "stage rm run) or reward_funcs (e.g. [exact_match] or [my_rewards:score]), or both."),
 ])
 def test_finetuning_rules(extra, message):
     assert error_of({**BASE, **extra}) == message
@@ -398,11 +399,24 @@ def test_ray_address_and_storage_resolution(monkeypatch, tmp_path):
     assert RayArguments(ray_storage_path="s3://bucket/runs").ray_storage_path == "s3://bucket/runs"
 
 
-def test_stage_without_a_runner_is_refused_at_config_time():
-    message = error_of(write("model_name_or_path: m\noutput_dir: o\nstage: ppo\nreward_model: rm\n"))
+def test_stage_without_a_runner_is_refused_at_config_time(monkeypatch):
+    """Every built-in stage has a recipe now (ppo was the last); one registered without is still refused
+    before any work starts, and the stage list marks it."""
+    from stages.table import STAGES, StageSpec
+
+    assert [name for name, spec in STAGES.items() if not spec.available] == []
+    monkeypatch.setitem(STAGES, "ppo_next", StageSpec(
+        "ppo_next", "a stage still being built", dataset_need="prompt_only", tokenize="unsupervised",
+        collator="collators:prompt_collator", runner=None, launch="rl_controller",
+    ))
+    message = error_of(write("model_name_or_path: m\noutput_dir: o\nstage: ppo_next\n"))
     assert message == (
-        "stage 'ppo' cannot be trained yet (PPO with actor, critic, reward and reference as Ray actor groups); "
-        "the stages that can: pt, sft, rm, dpo, kto, grpo. Change stage in cfg.yaml."
+        "stage 'ppo_next' cannot be trained yet (a stage still being built); "
+        "the stages that can: pt, sft, rm, dpo, kto, grpo, ppo. Change stage in cfg.yaml."
+    )
+    assert error_of(write("model_name_or_path: m\noutput_dir: o\nstage: sfft\n")).startswith(
+        "invalid stage in cfg.yaml: unknown stage 'sfft'; the stages are pt, sft, rm, dpo, kto, grpo, ppo, "
+        "ppo_next (not yet)."
     )
 
 
@@ -415,11 +429,19 @@ def test_yaml_1_1_words_stay_words_for_choices_and_mean_booleans_for_flags():
     assert (cfg.training.save_strategy, cfg.training.bf16, cfg.data.train_on_prompt) == ("no", False, True)
 
 
-def test_llama_factory_ppo_options_are_ignored_with_a_note():
-    cfg = load_config({**BASE, "ppo_epochs": 4, "ppo_target": 6.0})
-    assert "ppo_epochs" not in cfg.resolved()
-    assert any(note.startswith("ignored 'ppo_epochs' from the config dict: stage ppo is not available yet")
-               for note in cfg.notes)
+def test_llama_factory_ppo_options_are_read_by_stage_ppo():
+    """LLaMA-Factory's ppo_* keys were once dropped with a note; stage ppo now reads them as written."""
+    cfg = load_config({**BASE, "stage": "ppo", "reward_funcs": ["exact_match"], "ppo_epochs": 2,
+                       "ppo_buffer_size": 2, "ppo_target": 3.0, "ppo_score_norm": True, "ppo_whiten_rewards": True})
+    rl = cfg.rl
+    assert (rl.ppo_epochs, rl.ppo_buffer_size, rl.ppo_target, rl.ppo_score_norm, rl.ppo_whiten_rewards) == (
+        2, 2, 3.0, True, True)
+    assert cfg.notes == []
+    resolved = cfg.resolved()
+    assert (resolved["ppo_epochs"], resolved["ppo_buffer_size"], resolved["ppo_target"]) == (2, 2, 3.0)
+    # A PPO step is LLaMA-Factory's: per_device_train_batch_size (transformers' default 8) x
+    # gradient_accumulation_steps 1 x ppo_buffer_size 2 x 1 worker prompts.
+    assert rl.rollout_batch_size == 16
 
 
 @pytest.mark.parametrize("key, value, module, extra", [

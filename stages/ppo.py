@@ -1,0 +1,224 @@
+"""PPO (stage: ppo): the controller loop, one step top to bottom, in OpenRLHF's order.
+
+    prompts -> rollouts -> scores (reward model and/or reward functions) [-> running score norm]
+    -> policy log-probs, reference log-probs, critic values -> per-token rewards (score at the last
+    token, minus kl_coef x KL on every token) -> GAE advantages (whitened) and returns
+    -> ppo_epochs x ppo_buffer_size mini-batches: critic step (clipped value loss), policy step
+    (clipped surrogate) -> KL controller update -> weight sync -> log -> [checkpoint]
+
+The keys keep LLaMA-Factory's meaning (it runs PPO on TRL 0.9, whose conventions stages/rl/ppo_math.py
+follows): ppo_epochs, ppo_buffer_size, ppo_target (adaptive KL target, starting from beta),
+ppo_score_norm, ppo_whiten_rewards. With a group estimator (advantage_estimator rloo, group_norm...)
+no critic is built: each completion's advantage comes from its score minus its KL, compared within
+its prompt's group, the same for all its tokens.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+import time
+
+import torch
+
+from .rl.algorithms import compute_advantages, kl_penalty, loss_normalizer
+from .rl.loop import (RunProgress, count_steps, every, greedy_samples, group_samples, reward_columns,
+                      rollout_logprob_gap, split_evenly, step_sampling)
+from .rl.ppo_math import RunningMoments, gae, kl_controller, normalize_scores, token_rewards
+from .rl.rewards import load_reward_funcs
+from .rl.roles import PPORoles, PromptRow, RLRun
+from .rl.steplog import PhaseTimer, write_results
+from .rl.trainable import completion_mask, pad_rows
+from .rl.types import RolloutSample, SamplingSpec
+
+logger = logging.getLogger(__name__)
+
+
+def run_ppo(run: RLRun) -> dict:
+    started = time.time()
+    spec, rl, roles = run.spec, run.spec.rl, run.roles
+    options = spec.training
+    score = Scorer(run)
+    sampling = SamplingSpec(
+        n=rl.num_generations, temperature=spec.generating.temperature, top_p=spec.generating.top_p,
+        top_k=spec.generating.top_k, max_tokens=rl.max_completion_length,
+        stop_token_ids=tuple(run.template.stop_token_ids(run.tokenizer)),
+    )
+    total_steps = count_steps(len(run.prompts), rl.rollout_batch_size, options)
+    progress = RunProgress(run, total_steps)
+    kl_ctl = kl_controller(rl.beta, rl.ppo_target if rl.adaptive_kl else None, rl.kl_horizon)
+    moments = RunningMoments() if rl.ppo_score_norm else None
+    if progress.resumed:
+        kl_ctl.load_state_dict(progress.state["kl_controller"])
+        if moments is not None:
+            moments.load_state_dict(progress.state["score_moments"])
+    batches = progress.batches(rl.rollout_batch_size)
+    evaluate = lambda: score.evaluate(sampling)  # noqa: E731
+    log_every = every(options.logging_steps, total_steps) or 1
+    eval_every = every(options.eval_steps or options.logging_steps, total_steps) if options.eval_strategy == "steps" else 0
+    evaluated = False
+
+    def recipe_state() -> dict:
+        state = {"kl_controller": kl_ctl.state_dict()}
+        if moments is not None:
+            state["score_moments"] = moments.state_dict()
+        return state
+
+    roles.sync_weights()  # the engines start from the policy's weights (a warm start, a checkpoint)
+    first_eval = {} if progress.resumed else evaluate()
+    if first_eval:
+        progress.emit(0, first_eval)
+    for step in range(progress.start_step + 1, total_steps + 1):
+        timer = PhaseTimer()
+        batch = next(batches)
+        with timer("generate"):
+            completions = roles.generate([p.input_ids for p in batch], step_sampling(sampling, run, step))
+        samples = group_samples(batch, completions, rl.num_generations)
+        with timer("reward"):
+            scores, values = score(batch, samples)
+        scores_t = torch.tensor(scores, dtype=torch.float32)
+        if moments is not None:
+            scores_t = normalize_scores(scores_t, moments, shift_mean=True)
+        values.update(_experience(roles, samples, scores_t, kl_ctl.value, rl, timer))
+        if sampling.temperature == 1.0:  # the sampler's log-probs are comparable: a check on the weight sync
+            values.update(rollout_logprob_gap(samples, [s.old_logprobs for s in samples]))
+        with timer("update"):
+            values.update(_train(roles, samples, rl, random.Random(options.seed * 1_000_003 + step)))
+        values["kl_coef"] = kl_ctl.value  # the coefficient this step's rewards were shaped with
+        kl_ctl.update(values.get("kl", 0.0), len(samples))
+        with timer("sync"):
+            values.update(roles.sync_weights())
+        evaluated = eval_every and step % eval_every == 0
+        if evaluated:
+            values.update(evaluate())
+        values.update(timer.seconds)
+        if step % log_every == 0 or step == total_steps:
+            progress.emit(step, values)
+        progress.step_done(step, recipe_state)
+    final = evaluate() if run.eval_prompts and not evaluated else {}
+    if final:
+        progress.emit(total_steps, final)
+    roles.save(options.output_dir)
+    if spec.finetuning.plot_loss:
+        from .outputs import plot_loss
+
+        plot_loss(options.output_dir, keys=("loss", "value_loss", "reward", "eval_reward", "kl"))
+    results = {"total_steps": total_steps, "train_runtime": round(time.time() - started, 3),
+               **{f"before_{k}": v for k, v in first_eval.items()}, **final}
+    write_results(options.output_dir, results)
+    return results
+
+
+def _experience(roles: PPORoles, samples: list[RolloutSample], scores: torch.Tensor, kl_coef: float, rl,
+                timer: PhaseTimer) -> dict:
+    """Fill every sample with what the update needs: old and reference log-probs, values,
+    advantages and returns. Returns the step's statistics of them."""
+    with timer("old_logprobs"):
+        old = roles.policy_logprobs(samples)
+    ref = None
+    if rl.beta > 0:
+        with timer("reference"):
+            ref = roles.reference_logprobs(samples)
+    values = None
+    if rl.uses_critic:
+        with timer("values"):
+            values = roles.critic_values(samples)
+    mask = completion_mask([s.completion_ids for s in samples])
+    old_t = pad_rows([torch.tensor(x) for x in old])
+    if ref is not None:
+        kl_tok = kl_penalty(old_t, pad_rows([torch.tensor(x) for x in ref]), rl.kl_estimator) * mask
+    else:
+        kl_tok = torch.zeros_like(mask)
+    seq_kl = kl_tok.sum(dim=1)
+    stats = {"kl": seq_kl.mean().item(), "score": scores.mean().item()}
+    if values is not None:
+        values_t = pad_rows([torch.tensor(v) for v in values])
+        rewards = token_rewards(scores, kl_tok, mask, kl_coef)
+        advantages, returns = gae(rewards, values_t, mask, rl.gamma, rl.lam, whiten_rewards=rl.ppo_whiten_rewards)
+        stats.update(values_mean=_masked_mean(values_t, mask), returns_mean=_masked_mean(returns, mask))
+    else:  # a group estimator on the KL-shaped sequence reward, the same advantage on every token
+        advantages = compute_advantages(scores - kl_coef * seq_kl, rl.num_generations, rl.advantage_estimator,
+                                        rl.scale_rewards)[:, None] * mask
+        returns = None
+    stats["advantages_mean"] = _masked_mean(advantages, mask)
+    for i, sample in enumerate(samples):
+        n = len(sample.completion_ids)
+        sample.reward = float(scores[i])
+        sample.old_logprobs = old[i]
+        sample.ref_logprobs = ref[i] if ref is not None else []
+        sample.token_advantages = advantages[i, :n].tolist()
+        if values is not None:
+            sample.values, sample.returns = values[i], returns[i, :n].tolist()
+    return stats
+
+
+def _train(roles: PPORoles, samples: list[RolloutSample], rl, rng: random.Random) -> dict:
+    """ppo_epochs passes over the rollout batch, each in ppo_buffer_size shuffled mini-batches; a
+    mini-batch is one optimizer step of the critic, then one of the policy. Metrics: the mean over
+    all of the step's mini-batches."""
+    sums: dict[str, float] = {}
+    updates = 0
+    for _ in range(rl.ppo_epochs):
+        order = list(range(len(samples)))
+        rng.shuffle(order)
+        for part in split_evenly(order, rl.ppo_buffer_size):  # exactly ppo_buffer_size, as the schedule counts
+            mini = [samples[i] for i in part]
+            metrics: dict = {}
+            if rl.uses_critic:
+                tokens = float(sum(len(s.completion_ids) for s in mini))
+                critic = roles.critic_update(mini, max(tokens, 1.0))
+                metrics.update({("value_loss" if k == "loss" else f"critic/{k}"): v for k, v in critic.items()})
+            normalizer = loss_normalizer(rl.loss_type, [len(s.completion_ids) for s in mini], rl.max_completion_length)
+            metrics.update(roles.update(mini, normalizer))
+            for key, value in metrics.items():
+                if value is not None:
+                    sums[key] = sums.get(key, 0.0) + value
+            updates += 1
+    return {key: value / updates for key, value in sums.items()}
+
+
+def _masked_mean(x: torch.Tensor, mask: torch.Tensor) -> float:
+    return (x * mask).sum().item() / max(mask.sum().item(), 1.0)
+
+
+class Scorer:
+    """A completion's score: the reward model's (reward_model) plus the weighted reward functions'
+    (reward_funcs), either or both. Also scores greedy completions of the eval prompts."""
+
+    def __init__(self, run: RLRun):
+        self.run = run
+        rl = run.spec.rl
+        self.rules = load_reward_funcs(rl.reward_funcs, rl.reward_weights) if rl.reward_funcs else None
+        self.use_model = bool(run.spec.finetuning.reward_model)
+
+    def __call__(self, batch: list[PromptRow], samples: list[RolloutSample]) -> tuple[list[float], dict]:
+        total = [0.0] * len(samples)
+        stats: dict = {}
+        if self.use_model:
+            model_scores = self.run.roles.reward_scores(samples)
+            total = [a + b for a, b in zip(total, model_scores)]
+            stats["rewards/reward_model"] = sum(model_scores) / len(model_scores)
+        if self.rules is not None:
+            scores = self.rules.score(
+                [batch[s.group].prompt_text for s in samples],
+                [self.run.tokenizer.decode(s.completion_ids, skip_special_tokens=True) for s in samples],
+                reward_columns(batch, samples),
+            )
+            total = [a + b for a, b in zip(total, scores.total)]
+            stats.update({f"rewards/{name}": mean for name, mean in scores.means().items()})
+        reward = torch.tensor(total)
+        lengths = torch.tensor([float(len(s.completion_ids)) for s in samples])
+        stats.update(reward=reward.mean().item(), reward_std=reward.std().item() if len(total) > 1 else 0.0,
+                     completion_length=lengths.mean().item(),
+                     truncated_ratio=sum(s.truncated for s in samples) / len(samples))
+        return total, stats
+
+    def evaluate(self, sampling: SamplingSpec) -> dict:
+        """Greedy completions of the eval prompts, scored like the training ones."""
+        if not self.run.eval_prompts:
+            return {}
+        samples = greedy_samples(self.run, sampling.max_tokens, sampling.stop_token_ids)
+        _, stats = self(self.run.eval_prompts, samples)
+        out = {"eval_reward": stats["reward"]}
+        out.update({f"eval_{k}": v for k, v in stats.items() if k.startswith("rewards/")})
+        return out

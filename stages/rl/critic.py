@@ -1,0 +1,138 @@
+"""PPO's critic: one data-parallel rank of a value model (a causal LM with a scalar value head).
+
+It estimates, before each completion token, the return still to come; GAE turns those values and
+the per-token rewards into advantages, and the critic learns the returns with PPO's clipped value
+loss. It starts from the reward model (``critic_init: reward``, OpenRLHF's default: its weights and
+value head, so the first values already track the score) or from the policy (``policy``: the
+policy's starting weights and a fresh head). A LoRA reward model's critic trains that adapter on
+the policy's base (LLaMA-Factory's ``reward_model_type: lora``); a full one trains all weights.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from typing import TYPE_CHECKING, Sequence
+
+import torch
+
+from .trainable import TrainableRole, completion_mask, pad_rows
+from .types import RolloutSample
+
+if TYPE_CHECKING:
+    from ..job import JobSpec
+
+logger = logging.getLogger(__name__)
+CRITIC_DIR = "critic"  # the trained critic, inside output_dir (a value model like stage rm's)
+
+
+def critic_source(spec: "JobSpec") -> str:
+    """"reward" or "policy": where the critic's starting weights come from."""
+    return spec.rl.critic_init or ("reward" if spec.finetuning.reward_model else "policy")
+
+
+class CriticWorker(TrainableRole):
+    def __init__(self, spec: "JobSpec"):
+        self.spec = spec
+        self.model = None
+
+    def setup(self, rank: int, world_size: int, total_updates: int) -> dict:
+        from ..adapters import count_parameters
+        from ..preference import disable_dropout
+
+        torch.manual_seed(self.spec.training.seed)  # the same fresh head / LoRA init on every rank
+        model = self._load()
+        if torch.cuda.is_available():
+            model.to("cuda")
+        disable_dropout(model)  # values recomputed in the update must equal those of the rollout
+        model.train()
+        self._prepare_training(model, rank, world_size, total_updates,
+                               learning_rate=self.spec.rl.critic_learning_rate)
+        trainable, total = count_parameters(model)
+        return {"trainable_params": trainable, "total_params": total, "init": critic_source(self.spec)}
+
+    def _load(self):
+        from dataclasses import replace
+
+        from ..loading import load_model, load_tokenizer_and_template
+        from ..value_head import ValueHeadModel, is_adapter_folder
+
+        spec = self.spec
+        self.tokenizer, _ = load_tokenizer_and_template(spec.model, spec.data)
+        if critic_source(spec) == "policy":
+            backbone = load_model(spec.model, spec.finetuning, self.tokenizer, spec.training)
+            return ValueHeadModel(backbone)
+        folder = spec.finetuning.reward_model
+        if is_adapter_folder(folder):  # keep training the reward model's adapter, on the policy's base
+            model_args = replace(spec.model, adapter_name_or_path=[folder])
+            tuning = replace(spec.finetuning, finetuning_type="lora")
+        else:
+            model_args = replace(spec.model, model_name_or_path=folder, adapter_name_or_path=None)
+            tuning = replace(spec.finetuning, finetuning_type="full")
+        model = ValueHeadModel(load_model(model_args, tuning, self.tokenizer, spec.training))
+        model.load_value_head(folder)
+        return model
+
+    @property
+    def pad_token_id(self) -> int:
+        pad = self.tokenizer.pad_token_id
+        return pad if pad is not None else self.tokenizer.eos_token_id
+
+    # --- the controller's questions ---------------------------------------------------------------
+    def values(self, samples: list[RolloutSample]) -> list[list[float]]:
+        """The critic's value before each completion token (no gradient)."""
+        with torch.no_grad():
+            out = completion_values(self.model, *_ids(samples), self.pad_token_id)
+        return [v.tolist() for v in out]
+
+    def update(self, samples: list[RolloutSample], normalizer: float) -> dict:
+        """One optimizer step of the clipped value loss on this rank's share of a mini-batch;
+        ``normalizer`` is the mini-batch's completion-token count over every rank."""
+        return self._optimizer_step(samples, lambda chunk: self._chunk_loss(chunk, normalizer))
+
+    def _chunk_loss(self, chunk: list[RolloutSample], normalizer: float):
+        from .ppo_math import value_loss
+
+        prompts, completions = _ids(chunk)
+        values = pad_rows(completion_values(self.train_model, prompts, completions, self.pad_token_id,
+                                            micro_batch_size=len(chunk)))
+        loss, metrics = value_loss(
+            values, pad_rows([torch.tensor(s.values) for s in chunk]), pad_rows([torch.tensor(s.returns) for s in chunk]),
+            completion_mask(completions), clip=self.spec.rl.cliprange_value, normalizer=normalizer,
+        )
+        return loss, metrics
+
+    def save(self, output_dir: str) -> None:
+        """Rank 0 writes the critic into output_dir/critic, loadable like a stage rm output."""
+        if self.dp_rank == 0:
+            self.model.save(os.path.join(output_dir, CRITIC_DIR))
+
+
+def completion_values(model, prompt_ids: Sequence[Sequence[int]], completion_ids: Sequence[Sequence[int]],
+                      pad_token_id: int, micro_batch_size: int = 16) -> list[torch.Tensor]:
+    """One 1-D float32 tensor per completion: the value head's output at the position before each
+    completion token (the state the token was chosen in), as the log-probs are aligned.
+
+    ``model`` is a ValueHeadModel, or one wrapped in DDP. Rows are right-padded with an attention
+    mask, so real tokens keep positions 0..len-1.
+    """
+    device = next(model.parameters()).device
+    results: list[torch.Tensor] = []
+    for start in range(0, len(prompt_ids), micro_batch_size):
+        rows = [list(p) + list(c) for p, c in zip(prompt_ids[start : start + micro_batch_size],
+                                                  completion_ids[start : start + micro_batch_size])]
+        width = max(len(r) for r in rows)
+        input_ids = torch.full((len(rows), width), pad_token_id, dtype=torch.long)
+        mask = torch.zeros((len(rows), width), dtype=torch.long)
+        for i, row in enumerate(rows):
+            input_ids[i, : len(row)] = torch.tensor(row)
+            mask[i, : len(row)] = 1
+        values = model(input_ids=input_ids.to(device), attention_mask=mask.to(device)).values
+        for i, (p, c) in enumerate(zip(prompt_ids[start:], completion_ids[start : start + len(rows)])):
+            first = len(p) - 1  # the value at token t's predecessor is the state token t was chosen in
+            results.append(values[i, first : first + len(c)])
+    return results
+
+
+def _ids(samples: list[RolloutSample]) -> tuple[list[list[int]], list[list[int]]]:
+    return [s.prompt_ids for s in samples], [s.completion_ids for s in samples]

@@ -1,0 +1,171 @@
+"""What every RL recipe's loop shares: step counts, prompt batches, grouping completions into
+samples, greedy evaluation, and where the run stands (its log, its checkpoints, its resume).
+
+A recipe (stages/grpo.py, stages/ppo.py) asks ``RunProgress`` for the step to start from and the
+prompt batches from there, and hands it each finished step to log and, every ``save_steps``, to
+checkpoint. Resuming replays nothing but the prompt order: the roles load their weights,
+optimizers, schedules and RNG, the recipe its own counters (KL coefficient, score statistics),
+and trainer_log.jsonl drops the records of steps after the checkpoint, which run again.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import random
+from typing import Callable, Iterator, Optional, TypeVar
+
+from . import checkpoint as ckpt
+from .roles import PromptRow, RLRun
+from .steplog import StepLog
+from .types import Completion, RolloutSample, SamplingSpec
+
+logger = logging.getLogger(__name__)
+T = TypeVar("T")
+
+
+class RunProgress:
+    def __init__(self, run: RLRun, total_steps: int):
+        self.run = run
+        self.total_steps = total_steps
+        options = run.spec.training
+        self.output_dir = options.output_dir
+        self.state: dict = {}
+        self.start_step = 0
+        if run.resume_from:
+            self.state = ckpt.read_state(run.resume_from)
+            self.start_step = int(self.state["global_step"])
+            run.roles.load_checkpoint(run.resume_from)
+            dropped = ckpt.truncate_log(self.output_dir, self.start_step)
+            logger.info("resumed from %s at step %d of %d (%d logged steps after it will run again)",
+                        run.resume_from, self.start_step, total_steps, dropped)
+            if self.state.get("total_steps") not in (None, total_steps):
+                logger.warning("the checkpoint was taken in a run of %s steps, this one has %d: the learning-rate "
+                               "schedule continues from the saved one", self.state.get("total_steps"), total_steps)
+        self.log = StepLog(self.output_dir, total_steps, append=bool(run.resume_from))
+        save_every = options.save_steps if options.save_strategy not in ("no", "epoch") else 0
+        self.save_every = every(save_every, total_steps)
+
+    @property
+    def resumed(self) -> bool:
+        return self.start_step > 0
+
+    def batches(self, size: int) -> Iterator[list[PromptRow]]:
+        """The prompt batches of steps start_step+1, start_step+2, ... (a resumed run skips the
+        batches its checkpoint already consumed, so it sees the same prompts in the same order)."""
+        batches = prompt_batches(self.run.prompts, size, self.run.spec.training.seed)
+        for _ in range(self.start_step):
+            next(batches)
+        return batches
+
+    def emit(self, step: int, values: dict) -> dict:
+        record = self.log.write(step, values)
+        if self.run.on_log is not None:
+            self.run.on_log(record)
+        return record
+
+    def step_done(self, step: int, recipe_state: Callable[[], dict]) -> Optional[str]:
+        """Checkpoint after ``step`` when save_steps says so; the path, or None."""
+        if not self.save_every or step % self.save_every or step == 0:
+            return None
+        staging = ckpt.begin_checkpoint(self.output_dir, step)
+        self.run.roles.save_checkpoint(staging)
+        state = {"global_step": step, "total_steps": self.total_steps, "stage": self.run.spec.finetuning.stage,
+                 **recipe_state()}
+        path = ckpt.commit_checkpoint(staging, state, self.run.spec.training.save_total_limit)
+        logger.info("saved checkpoint %s", path)
+        return path
+
+
+def every(value, total_steps: int) -> int:
+    """A step interval as the trainer options give it: N steps, or a fraction (< 1) of the run."""
+    if not value:
+        return 0
+    return max(1, math.ceil(value * total_steps)) if value < 1 else int(value)
+
+
+def count_steps(num_prompts: int, rollout_batch_size: int, options) -> int:
+    """max_steps when set, else num_train_epochs passes over the prompts (the last batch rounds up)."""
+    if options.max_steps and options.max_steps > 0:
+        return int(options.max_steps)
+    return max(1, math.ceil(float(options.num_train_epochs) * num_prompts / rollout_batch_size))
+
+
+def prompt_batches(prompts: list[PromptRow], size: int, seed: int) -> Iterator[list[PromptRow]]:
+    """Endless fixed-size batches; each pass over the prompts is a fresh seeded shuffle."""
+    if not prompts:
+        raise ValueError("no prompts to train on")
+    rng = random.Random(seed)
+    order: list[int] = []
+    while True:
+        while len(order) < size:
+            epoch = list(range(len(prompts)))
+            rng.shuffle(epoch)
+            order += epoch
+        yield [prompts[i] for i in order[:size]]
+        order = order[size:]
+
+
+def step_sampling(sampling: SamplingSpec, run: RLRun, step: int) -> SamplingSpec:
+    """The HF backend samples with a seed per step, so a resumed run draws what an unbroken one
+    would. vLLM engines are seeded once at start instead: vLLM 0.32 on CPU fails on seeded
+    requests whose prefill gets chunked ("CPU Generator does not use offset")."""
+    if run.spec.rl.rollout_backend != "hf":
+        return sampling
+    from dataclasses import replace
+
+    return replace(sampling, seed=run.spec.training.seed * 1_000_003 + step * 7_919)
+
+
+def group_samples(batch: list[PromptRow], completions: list[Completion], n: int) -> list[RolloutSample]:
+    """Completions grouped by prompt, in prompt order: the advantage estimators read n at a time."""
+    ordered = sorted(completions, key=lambda c: c.prompt_index)  # stable: sampling order within a group
+    if len(ordered) != len(batch) * n:
+        raise RuntimeError(f"the rollout backend returned {len(ordered)} completions for {len(batch)} prompts x {n}")
+    return [
+        RolloutSample(batch[c.prompt_index].input_ids, c.token_ids, group=c.prompt_index,
+                      truncated=c.finish_reason == "length", rollout_logprobs=c.logprobs)
+        for c in ordered
+    ]
+
+
+def reward_columns(batch: list[PromptRow], samples: list[RolloutSample]) -> dict[str, list]:
+    """What reward functions get besides prompts and completions, one entry per completion."""
+    columns: dict[str, list] = {
+        "reference": [batch[s.group].reference for s in samples],
+        "completion_ids": [s.completion_ids for s in samples],
+    }
+    for name in batch[0].columns if batch else ():
+        columns[name] = [batch[s.group].columns.get(name) for s in samples]
+    return columns
+
+
+def greedy_samples(run: RLRun, max_tokens: int, stop_token_ids: tuple[int, ...]) -> list[RolloutSample]:
+    """One greedy completion of each eval prompt, in order."""
+    greedy = SamplingSpec(n=1, temperature=0.0, max_tokens=max_tokens, stop_token_ids=stop_token_ids)
+    completions = run.roles.generate([p.input_ids for p in run.eval_prompts], greedy)
+    return group_samples(run.eval_prompts, completions, 1)
+
+
+def rollout_logprob_gap(samples: list[RolloutSample], policy_logprobs: list[list[float]]) -> dict:
+    """How far the sampler's log-probs are from the policy's for the same tokens. Near 0 (float
+    noise) when the engines serve the policy's current weights; a failed or skipped weight sync,
+    or a precision mismatch, shows here first (verl's rule of thumb: investigate above ~0.01).
+    Only meaningful at temperature 1, where the sampler reports the same quantity."""
+    gaps = [abs(a - b) for s, mine in zip(samples, policy_logprobs) if s.rollout_logprobs
+            for a, b in zip(s.rollout_logprobs, mine)]
+    return {"rollout_logprob_diff": sum(gaps) / len(gaps), "rollout_logprob_diff_max": max(gaps)} if gaps else {}
+
+
+def split_evenly(items: list[T], parts: int) -> list[list[T]]:
+    """``parts`` contiguous slices whose sizes differ by at most one (the first ones are longer)."""
+    if parts < 1:
+        raise ValueError(f"split_evenly needs at least one part, got {parts}.")
+    size, extra = divmod(len(items), parts)
+    bounds = [i * size + min(i, extra) for i in range(parts + 1)]
+    return [list(items[bounds[i]:bounds[i + 1]]) for i in range(parts)]
+
+
+def concat(results: list[list[T]]) -> list[T]:
+    """The inverse of split_evenly: per-rank lists back into one, in rank order."""
+    return [item for part in results for item in part]

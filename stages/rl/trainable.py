@@ -1,0 +1,113 @@
+"""What the RL roles that learn (the policy, PPO's critic) share: one data-parallel rank's optimizer.
+
+A role owns a model; this base class wraps it in DDP when there are several ranks, builds AdamW
+and the schedule from the trainer options (learning_rate, weight_decay, adam_*, warmup_steps,
+lr_scheduler_type), takes one optimizer step over micro-batches, and writes / reads its part of
+an RL checkpoint. The subclass says only what a micro-batch's loss is.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import TYPE_CHECKING, Callable, Optional
+
+import torch
+
+if TYPE_CHECKING:
+    from ..job import JobSpec
+
+
+class TrainableRole:
+    spec: "JobSpec"
+    dp_rank: int = 0
+    dp_size: int = 1
+
+    def _prepare_training(self, model: torch.nn.Module, rank: int, world_size: int, total_updates: int,
+                          learning_rate: Optional[float] = None) -> None:
+        """DDP (world_size > 1), AdamW over the trainable parameters and the learning-rate schedule."""
+        from transformers import get_scheduler
+
+        options = self.spec.training
+        self.dp_rank, self.dp_size = rank, world_size
+        self.model = model
+        self.train_model = model
+        if world_size > 1:
+            from torch.nn.parallel import DistributedDataParallel
+
+            # Every trainable parameter is in the loss, so DDP need not search for unused ones.
+            self.train_model = DistributedDataParallel(model, find_unused_parameters=False)
+        params = [p for p in model.parameters() if p.requires_grad]
+        self.optimizer = torch.optim.AdamW(
+            params, lr=learning_rate or options.learning_rate, betas=(options.adam_beta1, options.adam_beta2),
+            eps=options.adam_epsilon, weight_decay=options.weight_decay,
+        )
+        warmup = options.warmup_steps
+        warmup = int(warmup * total_updates) if 0 < warmup < 1 else int(warmup)  # a ratio, as in transformers 5
+        self.scheduler = get_scheduler(
+            options.lr_scheduler_type, self.optimizer, num_warmup_steps=warmup, num_training_steps=total_updates,
+            scheduler_specific_kwargs=_scheduler_kwargs(options.lr_scheduler_kwargs),
+        )
+
+    def _optimizer_step(self, samples: list, chunk_loss: Callable[[list], tuple[torch.Tensor, dict]]) -> dict:
+        """One optimizer step on this rank's share of a mini-batch, in per_device_train_batch_size chunks.
+
+        ``chunk_loss(chunk)`` returns the chunk's part of the WHOLE mini-batch's loss (every rank's
+        samples in the denominator), so the chunks' summed gradient, with DDP's mean over ranks
+        undone by ``dp_size``, equals one big batch's. Metrics come back sample-weighted; "loss"
+        is this rank's share times dp_size, which the controller averages over ranks.
+        """
+        options = self.spec.training
+        micro = max(1, int(options.per_device_train_batch_size))
+        chunks = [samples[i : i + micro] for i in range(0, len(samples), micro)]
+        totals: dict[str, float] = {}
+        self.optimizer.zero_grad(set_to_none=True)
+        for index, chunk in enumerate(chunks):
+            last = index == len(chunks) - 1
+            # DDP syncs gradients on the last micro-batch only; no_sync must cover its forward too.
+            sync = self.train_model.no_sync() if (self.dp_size > 1 and not last) else contextlib.nullcontext()
+            with sync:
+                loss, metrics = chunk_loss(chunk)
+                (loss * self.dp_size).backward()  # DDP averages over ranks; the loss is already a global share
+            metrics.pop("num_tokens", None)  # a per-micro-batch count: meaningless once merged
+            for key, value in {"loss": loss.item() * self.dp_size, **metrics}.items():
+                totals[key] = totals.get(key, 0.0) + value * (1 if key == "loss" else len(chunk))
+        grad_norm = None
+        if options.max_grad_norm and options.max_grad_norm > 0:
+            grad_norm = float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), options.max_grad_norm))
+        self.optimizer.step()
+        self.scheduler.step()
+        out = {key: (value if key == "loss" else value / max(len(samples), 1)) for key, value in totals.items()}
+        out.update(grad_norm=grad_norm, lr=self.scheduler.get_last_lr()[0], num_samples=len(samples))
+        return out
+
+    # --- checkpoints ---------------------------------------------------------------------------------
+    def save_checkpoint(self, folder: str) -> None:
+        """This rank's part of an RL checkpoint: rank 0 the trainable weights, optimizer and
+        schedule (DDP keeps them equal on every rank), every rank its RNG state."""
+        from .checkpoint import save_role_state
+
+        save_role_state(folder, self.dp_rank, self.model, self.optimizer, self.scheduler)
+
+    def load_checkpoint(self, folder: str) -> None:
+        from .checkpoint import load_role_state
+
+        load_role_state(folder, self.dp_rank, self.model, self.optimizer, self.scheduler)
+
+
+def _scheduler_kwargs(value) -> Optional[dict]:
+    """lr_scheduler_kwargs as transformers takes it: a dict, or its JSON text."""
+    if isinstance(value, str):
+        import json
+
+        value = json.loads(value) if value.strip() else None
+    return value or None
+
+
+def pad_rows(rows: list[torch.Tensor]) -> torch.Tensor:
+    """Right-padded [B, T] float32 from 1-D rows of different lengths (zeros after each row's end)."""
+    return torch.nn.utils.rnn.pad_sequence([r.float() for r in rows], batch_first=True)
+
+
+def completion_mask(completions: list[list[int]]) -> torch.Tensor:
+    """1.0 on every completion token, 0.0 on the padding after it, as [B, T]."""
+    return pad_rows([torch.ones(len(c)) for c in completions])
