@@ -19,7 +19,6 @@ driver's figure includes what earlier settings left in it (imports, caches).
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import sys
@@ -30,7 +29,7 @@ import time
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO_ROOT)
 
-from harness import format_table, machine_line  # noqa: E402
+from harness import format_table, machine_line, settings_arguments, write_json  # noqa: E402
 
 SETTINGS = {
     "vllm-lora": dict(rollout_backend="vllm"),  # the config as it is: 1 vLLM engine (CPU: 1), sync every step
@@ -137,27 +136,14 @@ def run_setting(name: str, steps: int) -> dict:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--settings", default=",".join(SETTINGS), help=f"comma-separated, of {list(SETTINGS)}")
-    parser.add_argument("--steps", type=int, default=20, help="GRPO steps per setting (step 1 is not counted)")
-    parser.add_argument("--json", default=None, help="also write the figures to this file")
-    args = parser.parse_args()
-    names = [n.strip() for n in args.settings.split(",") if n.strip()]
-    unknown = [n for n in names if n not in SETTINGS]
-    if unknown:
-        parser.error(f"unknown setting(s) {', '.join(unknown)}; choose from {', '.join(SETTINGS)}")
-    if args.steps < 2:
-        parser.error("--steps must be at least 2: step 1 is warm-up and not counted")
-    os.environ.pop("RAY_ADDRESS", None)  # measure a local Ray of our own, not a shared cluster
+    args, names = settings_arguments(__doc__, SETTINGS, "GRPO")
     results = []
     for name in names:
         print(f"[bench] {name} ...", file=sys.stderr, flush=True)
         results.append(run_setting(name, args.steps))
     print(f"\n{machine_line()}\n")
     print(format_table(results, COLUMNS))
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"machine": machine_line(), "results": results}, f, indent=2)
+    write_json(args.json, results)
     return 0
 
 

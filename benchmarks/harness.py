@@ -258,3 +258,26 @@ def bench_main(
         with open(args.json, "w") as f:
             json.dump({"machine": machine_line(), "results": results}, f, indent=2)
     return 0 if len(results) == len(names) else 1
+
+
+def settings_arguments(doc: str, settings: dict, unit: str) -> tuple[argparse.Namespace, list[str]]:
+    """The command line of the per-setting RL benchmarks: --settings, --steps, --json; the chosen names."""
+    parser = argparse.ArgumentParser(description=doc.splitlines()[0])
+    parser.add_argument("--settings", default=",".join(settings), help=f"comma-separated, of {list(settings)}")
+    parser.add_argument("--steps", type=int, default=20, help=f"{unit} steps per setting (step 1 is not counted)")
+    parser.add_argument("--json", default=None, help="also write the figures to this file")
+    args = parser.parse_args()
+    names = [n.strip() for n in args.settings.split(",") if n.strip()]
+    unknown = [n for n in names if n not in settings]
+    if unknown:
+        parser.error(f"unknown setting(s) {', '.join(unknown)}; choose from {', '.join(settings)}")
+    if args.steps < 2:
+        parser.error("--steps must be at least 2: step 1 is warm-up and not counted")
+    os.environ.pop("RAY_ADDRESS", None)  # measure a local Ray of our own, not a shared cluster
+    return args, names
+
+
+def write_json(path: str | None, results: list[dict]) -> None:
+    if path:
+        with open(path, "w") as f:
+            json.dump({"machine": machine_line(), "results": results}, f, indent=2)

@@ -30,7 +30,6 @@ earlier settings left in it (imports, caches).
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import sys
@@ -41,7 +40,8 @@ REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO_ROOT)
 
 import grpo_step  # noqa: E402 (after the path set-up above)
-from harness import format_table, machine_line, make_full_finetuning, timed_config  # noqa: E402
+from harness import (format_table, machine_line, make_full_finetuning, settings_arguments,  # noqa: E402
+                     timed_config, write_json)
 
 BASE_MODEL = "tiny:qwen2,num_heads=2"
 RM_STEPS = 20
@@ -144,18 +144,7 @@ def phase_table(result: dict) -> str:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--settings", default=",".join(SETTINGS), help=f"comma-separated, of {list(SETTINGS)}")
-    parser.add_argument("--steps", type=int, default=20, help="PPO steps per setting (step 1 is not counted)")
-    parser.add_argument("--json", default=None, help="also write the figures to this file")
-    args = parser.parse_args()
-    names = [n.strip() for n in args.settings.split(",") if n.strip()]
-    unknown = [n for n in names if n not in SETTINGS]
-    if unknown:
-        parser.error(f"unknown setting(s) {', '.join(unknown)}; choose from {', '.join(SETTINGS)}")
-    if args.steps < 2:
-        parser.error("--steps must be at least 2: step 1 is warm-up and not counted")
-    os.environ.pop("RAY_ADDRESS", None)  # measure a local Ray of our own, not a shared cluster
+    args, names = settings_arguments(__doc__, SETTINGS, "PPO")
     results = []
     with tempfile.TemporaryDirectory(prefix="bench-ppo-") as work_dir:
         print(f"[bench] reward model (stage rm, {RM_STEPS} steps) ...", file=sys.stderr, flush=True)
@@ -168,9 +157,7 @@ def main() -> int:
         print(f"{result['setting']} ({result['steps']} steps, step 1 left out), mean seconds per step:\n")
         print(phase_table(result) + "\n")
     print(format_table(results, SUMMARY_COLUMNS))
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"machine": machine_line(), "results": results}, f, indent=2)
+    write_json(args.json, results)
     return 0
 
 

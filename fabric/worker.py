@@ -54,7 +54,7 @@ def train_loop(config: dict) -> None:
         train_dataset=train,
         eval_dataset=evaluation,
         callbacks=[_report_callback(), *payload.callbacks],
-        resume_from_checkpoint=_resume_point(training_args.resume_from_checkpoint),
+        resume_from_checkpoint=_resume_point(training_args.resume_from_checkpoint, training_args.output_dir),
         prepare_trainer=prepare_trainer,
     )
     metrics = spec.stage.load_runner()(job)
@@ -98,14 +98,21 @@ def _report_callback():
     return ReportAfterAllRanksSaved()
 
 
-def _resume_point(requested: Optional[str]) -> Optional[str]:
+def _resume_point(requested: Optional[str], output_dir: str) -> Optional[str]:
     """A restarted worker group resumes from Ray's last reported checkpoint; otherwise the user's
-    ``resume_from_checkpoint`` (a checkpoint folder; the config checks it exists)."""
+    ``resume_from_checkpoint``: a checkpoint folder (the config checks it exists), or ``auto``, the
+    latest checkpoint-N in output_dir that the Trainer finished (none: a fresh start)."""
     checkpoint = ray.train.get_checkpoint()
     if checkpoint is not None:
         local = checkpoint.to_directory()
         nested = os.path.join(local, RAY_CKPT_SUBDIR)
         return nested if os.path.isdir(nested) else local
+    if requested == "auto":
+        from transformers.trainer import TRAINER_STATE_NAME
+
+        from stages.rl.checkpoint import latest_checkpoint
+
+        return latest_checkpoint(output_dir, marker=TRAINER_STATE_NAME)
     return requested or None
 
 

@@ -12,50 +12,29 @@ the reward functions in stages/rl/rewards.py, what every RL loop shares in stage
 from __future__ import annotations
 
 import logging
-import time
 
 import torch
 
 from .rl.algorithms import compute_advantages, loss_normalizer, uniform_groups
-from .rl.loop import (RunProgress, count_steps, every, greedy_samples, group_samples, reward_columns,
-                      rollout_logprob_gap, step_sampling)
+from .rl.loop import (RunProgress, count_steps, greedy_samples, reward_columns, rollout, rollout_logprob_gap,
+                      sampling_spec)
 from .rl.rewards import RewardSet, load_reward_funcs
 from .rl.roles import RLRun
-from .rl.steplog import PhaseTimer, write_results
+from .rl.steplog import PhaseTimer
 from .rl.types import RolloutSample, SamplingSpec
 
 logger = logging.getLogger(__name__)
 
 
 def run_grpo(run: RLRun) -> dict:
-    started = time.time()
     spec, rl, roles = run.spec, run.spec.rl, run.roles
-    options = spec.training
     rewards = load_reward_funcs(rl.reward_funcs, rl.reward_weights)
-    sampling = SamplingSpec(
-        n=rl.num_generations, temperature=spec.generating.temperature, top_p=spec.generating.top_p,
-        top_k=spec.generating.top_k, max_tokens=rl.max_completion_length,
-        stop_token_ids=tuple(run.template.stop_token_ids(run.tokenizer)),
-    )
-    total_steps = count_steps(len(run.prompts), rl.rollout_batch_size, options)
-    progress = RunProgress(run, total_steps)
-    batches = progress.batches(rl.rollout_batch_size)
-    evaluate = _evaluator(run, rewards, sampling)
-    log_every = every(options.logging_steps, total_steps) or 1
-    # eval_strategy steps: every eval_steps (default: logging_steps), as the Trainer does; else at the end.
-    eval_every = every(options.eval_steps or options.logging_steps, total_steps) if options.eval_strategy == "steps" else 0
-    evaluated = False
-
-    roles.sync_weights()  # the engines start from the policy's weights (a loaded adapter, a warm start, a checkpoint)
-    first_eval = {} if progress.resumed else evaluate()
-    if first_eval:
-        progress.emit(0, first_eval)
-    for step in range(progress.start_step + 1, total_steps + 1):
+    sampling = sampling_spec(run)
+    progress = RunProgress(run, count_steps(len(run.prompts), rl.rollout_batch_size, spec.training),
+                           evaluate=_evaluator(run, rewards, sampling))
+    for step, batch in progress.steps(rl.rollout_batch_size):
         timer = PhaseTimer()
-        batch = next(batches)
-        with timer("generate"):
-            completions = roles.generate([p.input_ids for p in batch], step_sampling(sampling, run, step))
-        samples = group_samples(batch, completions, rl.num_generations)
+        samples = rollout(run, batch, sampling, step, timer)
         with timer("reward"):
             scores = rewards.score(
                 [batch[s.group].prompt_text for s in samples],
@@ -73,27 +52,8 @@ def run_grpo(run: RLRun) -> dict:
             values.update(_update(roles, kept, rl, sampling.temperature, timer))
         else:  # every group was uniform: nothing to learn from this batch
             values["skipped_update"] = 1
-        with timer("sync"):
-            values.update(roles.sync_weights())
-        evaluated = eval_every and step % eval_every == 0
-        if evaluated:
-            values.update(evaluate())
-        values.update(timer.seconds)
-        if step % log_every == 0 or step == total_steps:
-            progress.emit(step, values)
-        progress.step_done(step, lambda: {})
-    final = evaluate() if run.eval_prompts and not evaluated else {}  # the trained policy, unless just done
-    if final:
-        progress.emit(total_steps, final)
-    roles.save(options.output_dir)
-    if spec.finetuning.plot_loss:
-        from .outputs import plot_loss
-
-        plot_loss(options.output_dir, keys=("loss", "reward", "eval_reward", "kl"))
-    results = {"total_steps": total_steps, "train_runtime": round(time.time() - started, 3),
-               **{f"before_{k}": v for k, v in first_eval.items()}, **final}
-    write_results(options.output_dir, results)
-    return results
+        progress.end_step(step, values, timer, recipe_state=dict)
+    return progress.finish(plot_keys=("loss", "reward", "eval_reward", "kl"))
 
 
 def _update(roles, samples: list[RolloutSample], rl, temperature: float, timer: PhaseTimer) -> dict:

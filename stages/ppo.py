@@ -17,17 +17,16 @@ from __future__ import annotations
 
 import logging
 import random
-import time
 
 import torch
 
 from .rl.algorithms import compute_advantages, kl_penalty, loss_normalizer
-from .rl.loop import (RunProgress, count_steps, every, greedy_samples, group_samples, reward_columns,
-                      rollout_logprob_gap, split_evenly, step_sampling)
+from .rl.loop import (RunProgress, count_steps, greedy_samples, reward_columns, rollout, rollout_logprob_gap,
+                      sampling_spec, split_evenly)
 from .rl.ppo_math import RunningMoments, gae, kl_controller, normalize_scores, token_rewards
 from .rl.rewards import load_reward_funcs
 from .rl.roles import PPORoles, PromptRow, RLRun
-from .rl.steplog import PhaseTimer, write_results
+from .rl.steplog import PhaseTimer
 from .rl.trainable import completion_mask, pad_rows
 from .rl.types import RolloutSample, SamplingSpec
 
@@ -35,28 +34,17 @@ logger = logging.getLogger(__name__)
 
 
 def run_ppo(run: RLRun) -> dict:
-    started = time.time()
     spec, rl, roles = run.spec, run.spec.rl, run.roles
-    options = spec.training
     score = Scorer(run)
-    sampling = SamplingSpec(
-        n=rl.num_generations, temperature=spec.generating.temperature, top_p=spec.generating.top_p,
-        top_k=spec.generating.top_k, max_tokens=rl.max_completion_length,
-        stop_token_ids=tuple(run.template.stop_token_ids(run.tokenizer)),
-    )
-    total_steps = count_steps(len(run.prompts), rl.rollout_batch_size, options)
-    progress = RunProgress(run, total_steps)
+    sampling = sampling_spec(run)
+    progress = RunProgress(run, count_steps(len(run.prompts), rl.rollout_batch_size, spec.training),
+                           evaluate=lambda: score.evaluate(sampling))
     kl_ctl = kl_controller(rl.beta, rl.ppo_target if rl.adaptive_kl else None, rl.kl_horizon)
     moments = RunningMoments() if rl.ppo_score_norm else None
     if progress.resumed:
         kl_ctl.load_state_dict(progress.state["kl_controller"])
         if moments is not None:
             moments.load_state_dict(progress.state["score_moments"])
-    batches = progress.batches(rl.rollout_batch_size)
-    evaluate = lambda: score.evaluate(sampling)  # noqa: E731
-    log_every = every(options.logging_steps, total_steps) or 1
-    eval_every = every(options.eval_steps or options.logging_steps, total_steps) if options.eval_strategy == "steps" else 0
-    evaluated = False
 
     def recipe_state() -> dict:
         state = {"kl_controller": kl_ctl.state_dict()}
@@ -64,16 +52,9 @@ def run_ppo(run: RLRun) -> dict:
             state["score_moments"] = moments.state_dict()
         return state
 
-    roles.sync_weights()  # the engines start from the policy's weights (a warm start, a checkpoint)
-    first_eval = {} if progress.resumed else evaluate()
-    if first_eval:
-        progress.emit(0, first_eval)
-    for step in range(progress.start_step + 1, total_steps + 1):
+    for step, batch in progress.steps(rl.rollout_batch_size):
         timer = PhaseTimer()
-        batch = next(batches)
-        with timer("generate"):
-            completions = roles.generate([p.input_ids for p in batch], step_sampling(sampling, run, step))
-        samples = group_samples(batch, completions, rl.num_generations)
+        samples = rollout(run, batch, sampling, step, timer)
         with timer("reward"):
             scores, values = score(batch, samples)
         scores_t = torch.tensor(scores, dtype=torch.float32)
@@ -83,30 +64,11 @@ def run_ppo(run: RLRun) -> dict:
         if sampling.temperature == 1.0:  # the sampler's log-probs are comparable: a check on the weight sync
             values.update(rollout_logprob_gap(samples, [s.old_logprobs for s in samples]))
         with timer("update"):
-            values.update(_train(roles, samples, rl, random.Random(options.seed * 1_000_003 + step)))
+            values.update(_train(roles, samples, rl, random.Random(spec.training.seed * 1_000_003 + step)))
         values["kl_coef"] = kl_ctl.value  # the coefficient this step's rewards were shaped with
         kl_ctl.update(values.get("kl", 0.0), len(samples))
-        with timer("sync"):
-            values.update(roles.sync_weights())
-        evaluated = eval_every and step % eval_every == 0
-        if evaluated:
-            values.update(evaluate())
-        values.update(timer.seconds)
-        if step % log_every == 0 or step == total_steps:
-            progress.emit(step, values)
-        progress.step_done(step, recipe_state)
-    final = evaluate() if run.eval_prompts and not evaluated else {}
-    if final:
-        progress.emit(total_steps, final)
-    roles.save(options.output_dir)
-    if spec.finetuning.plot_loss:
-        from .outputs import plot_loss
-
-        plot_loss(options.output_dir, keys=("loss", "value_loss", "reward", "eval_reward", "kl"))
-    results = {"total_steps": total_steps, "train_runtime": round(time.time() - started, 3),
-               **{f"before_{k}": v for k, v in first_eval.items()}, **final}
-    write_results(options.output_dir, results)
-    return results
+        progress.end_step(step, values, timer, recipe_state)
+    return progress.finish(plot_keys=("loss", "value_loss", "reward", "eval_reward", "kl"))
 
 
 def _experience(roles: PPORoles, samples: list[RolloutSample], scores: torch.Tensor, kl_coef: float, rl,

@@ -99,27 +99,29 @@ def commit_checkpoint(staging: str, state: dict, save_total_limit: int | None = 
     return final
 
 
-def is_complete(path: str) -> bool:
-    return os.path.isfile(os.path.join(path, STATE_FILE))
+def is_complete(path: str, marker: str = STATE_FILE) -> bool:
+    return os.path.isfile(os.path.join(path, marker))
 
 
-def _complete_checkpoints(output_dir: str) -> list[tuple[int, str]]:
-    """(step, path) of every complete checkpoint-N in ``output_dir``, by step (numerically: 9 before 10)."""
+def _complete_checkpoints(output_dir: str, marker: str = STATE_FILE) -> list[tuple[int, str]]:
+    """(step, path) of every complete checkpoint-N in ``output_dir``, by step (numerically: 9 before 10);
+    complete means it holds ``marker``, the file its writer writes last."""
     if not os.path.isdir(output_dir):
         return []
     found = []
     for name in os.listdir(output_dir):
         match = _CHECKPOINT_NAME.fullmatch(name)
         path = os.path.join(output_dir, name)
-        if match and os.path.isdir(path) and is_complete(path):
+        if match and os.path.isdir(path) and is_complete(path, marker):
             found.append((int(match.group(1)), path))
     return sorted(found)
 
 
-def latest_checkpoint(output_dir: str) -> str | None:
+def latest_checkpoint(output_dir: str, marker: str = STATE_FILE) -> str | None:
     """The complete checkpoint-N with the largest N, or None. Staging folders and checkpoint-N
-    folders without ``rl_state.json`` (half-written) do not count."""
-    found = _complete_checkpoints(output_dir)
+    folders without ``marker`` (half-written) do not count. The HF Trainer's checkpoints of the
+    other stages are complete once they hold trainer_state.json (``marker="trainer_state.json"``)."""
+    found = _complete_checkpoints(output_dir, marker)
     return found[-1][1] if found else None
 
 

@@ -13,11 +13,12 @@ from __future__ import annotations
 import logging
 import math
 import random
-from typing import Callable, Iterator, Optional, TypeVar
+import time
+from typing import Callable, Iterator, TypeVar
 
 from . import checkpoint as ckpt
 from .roles import PromptRow, RLRun
-from .steplog import StepLog
+from .steplog import PhaseTimer, StepLog, write_results
 from .types import Completion, RolloutSample, SamplingSpec
 
 logger = logging.getLogger(__name__)
@@ -25,9 +26,15 @@ T = TypeVar("T")
 
 
 class RunProgress:
-    def __init__(self, run: RLRun, total_steps: int):
+    """One RL run's course: the first evaluation, the steps and their prompt batches, the end of a
+    step (weight sync, periodic eval, log, checkpoint) and the end of the run (final eval, the saved
+    model, plots, all_results.json). A recipe fills in what happens inside a step."""
+
+    def __init__(self, run: RLRun, total_steps: int, evaluate: Callable[[], dict]):
         self.run = run
         self.total_steps = total_steps
+        self.evaluate = evaluate
+        self.started = time.time()
         options = run.spec.training
         self.output_dir = options.output_dir
         self.state: dict = {}
@@ -45,18 +52,61 @@ class RunProgress:
         self.log = StepLog(self.output_dir, total_steps, append=bool(run.resume_from))
         save_every = options.save_steps if options.save_strategy not in ("no", "epoch") else 0
         self.save_every = every(save_every, total_steps)
+        self.log_every = every(options.logging_steps, total_steps) or 1
+        # eval_strategy steps: every eval_steps (default: logging_steps), as the Trainer does; else at the end.
+        self.eval_every = (every(options.eval_steps or options.logging_steps, total_steps)
+                           if options.eval_strategy == "steps" else 0)
+        self.evaluated_last = False
+        self.first_eval: dict = {}
 
     @property
     def resumed(self) -> bool:
         return self.start_step > 0
 
-    def batches(self, size: int) -> Iterator[list[PromptRow]]:
-        """The prompt batches of steps start_step+1, start_step+2, ... (a resumed run skips the
-        batches its checkpoint already consumed, so it sees the same prompts in the same order)."""
-        batches = prompt_batches(self.run.prompts, size, self.run.spec.training.seed)
+    def steps(self, batch_size: int) -> Iterator[tuple[int, list[PromptRow]]]:
+        """(step, prompt batch) for every step still to run, after the engines got the policy's
+        weights (a warm start, a loaded adapter, a checkpoint) and a fresh run's first evaluation.
+        A resumed run skips the batches its checkpoint already consumed, so it sees the same
+        prompts in the same order (the next epoch's shuffle included)."""
+        self.run.roles.sync_weights()
+        if not self.resumed:
+            self.first_eval = self.evaluate()
+            if self.first_eval:
+                self.emit(0, self.first_eval)
+        batches = prompt_batches(self.run.prompts, batch_size, self.run.spec.training.seed)
         for _ in range(self.start_step):
             next(batches)
-        return batches
+        for step in range(self.start_step + 1, self.total_steps + 1):
+            yield step, next(batches)
+
+    def end_step(self, step: int, values: dict, timer: PhaseTimer, recipe_state: Callable[[], dict]) -> None:
+        """Weight sync, the periodic eval, the log record, and a checkpoint when save_steps says so."""
+        with timer("sync"):
+            values.update(self.run.roles.sync_weights())
+        self.evaluated_last = bool(self.eval_every) and step % self.eval_every == 0
+        if self.evaluated_last:
+            values.update(self.evaluate())
+        values.update(timer.seconds)
+        if step % self.log_every == 0 or step == self.total_steps:
+            self.emit(step, values)
+        if self.save_every and step % self.save_every == 0:
+            self._checkpoint(step, recipe_state)
+
+    def finish(self, plot_keys: tuple[str, ...]) -> dict:
+        """The trained policy's eval (unless the last step just ran it), the saved model, plots and
+        all_results.json; returns the results."""
+        final = self.evaluate() if self.run.eval_prompts and not self.evaluated_last else {}
+        if final:
+            self.emit(self.total_steps, final)
+        self.run.roles.save(self.output_dir)
+        if self.run.spec.finetuning.plot_loss:
+            from ..outputs import plot_loss
+
+            plot_loss(self.output_dir, keys=plot_keys)
+        results = {"total_steps": self.total_steps, "train_runtime": round(time.time() - self.started, 3),
+                   **{f"before_{k}": v for k, v in self.first_eval.items()}, **final}
+        write_results(self.output_dir, results)
+        return results
 
     def emit(self, step: int, values: dict) -> dict:
         record = self.log.write(step, values)
@@ -64,10 +114,7 @@ class RunProgress:
             self.run.on_log(record)
         return record
 
-    def step_done(self, step: int, recipe_state: Callable[[], dict]) -> Optional[str]:
-        """Checkpoint after ``step`` when save_steps says so; the path, or None."""
-        if not self.save_every or step % self.save_every or step == 0:
-            return None
+    def _checkpoint(self, step: int, recipe_state: Callable[[], dict]) -> str:
         staging = ckpt.begin_checkpoint(self.output_dir, step)
         self.run.roles.save_checkpoint(staging)
         state = {"global_step": step, "total_steps": self.total_steps, "stage": self.run.spec.finetuning.stage,
@@ -75,6 +122,24 @@ class RunProgress:
         path = ckpt.commit_checkpoint(staging, state, self.run.spec.training.save_total_limit)
         logger.info("saved checkpoint %s", path)
         return path
+
+
+def sampling_spec(run: RLRun) -> SamplingSpec:
+    """How an RL run samples: num_generations per prompt with the generating options, at most
+    max_completion_length tokens, ending at the template's stop tokens."""
+    spec = run.spec
+    return SamplingSpec(
+        n=spec.rl.num_generations, temperature=spec.generating.temperature, top_p=spec.generating.top_p,
+        top_k=spec.generating.top_k, max_tokens=spec.rl.max_completion_length,
+        stop_token_ids=tuple(run.template.stop_token_ids(run.tokenizer)),
+    )
+
+
+def rollout(run: RLRun, batch: list[PromptRow], sampling: SamplingSpec, step: int, timer: PhaseTimer) -> list[RolloutSample]:
+    """This step's completions of the batch, grouped by prompt."""
+    with timer("generate"):
+        completions = run.roles.generate([p.input_ids for p in batch], step_sampling(sampling, run, step))
+    return group_samples(batch, completions, sampling.n)
 
 
 def every(value, total_steps: int) -> int:

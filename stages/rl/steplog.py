@@ -12,7 +12,7 @@ import json
 import os
 import time
 
-from ..callbacks import LOG_FILE
+from ..callbacks import LOG_FILE, read_log
 
 
 class PhaseTimer:
@@ -50,6 +50,9 @@ class StepLog:
         os.makedirs(output_dir, exist_ok=True)
         if not append:
             open(self.path, "w").close()
+        else:  # elapsed_time goes on from the last kept record, as the Trainer-based stages' does
+            last = [r for r in read_log(output_dir) if r.get("elapsed_time") is not None][-1:]
+            self.start -= last[0]["elapsed_time"] if last else 0.0
 
     def write(self, step: int, values: dict) -> dict:
         elapsed = time.time() - self.start

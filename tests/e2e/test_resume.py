@@ -1,4 +1,5 @@
-"""Stopping after a checkpoint and rerunning with resume_from_checkpoint continues the very same run.
+"""Stopping after a checkpoint and rerunning with resume_from_checkpoint (auto: the latest complete
+checkpoint in output_dir) continues the very same run.
 
 Run A trains N steps without a break. Run B is the same config stopped right after the checkpoint
 at step K (what a user's Ctrl-C after a save leaves behind), then rerun from output_dir/checkpoint-K.
@@ -74,8 +75,12 @@ def test_rerun_with_resume_from_checkpoint_continues_the_same_run(ray_session, s
     assert sorted(_losses(out)) == list(range(1, K + 1))
     assert sorted(os.listdir(out)).count(f"checkpoint-{K}") == 1
 
-    resumed = run_exp(sft_config(**common, resume_from_checkpoint=os.path.join(out, f"checkpoint-{K}")),
-                      callbacks=[RecordBegin(begins)])
+    # What a crash in the middle of a save leaves: a later checkpoint folder without trainer_state.json,
+    # which the Trainer writes last. `auto` must pass over it to checkpoint-K.
+    os.makedirs(os.path.join(out, f"checkpoint-{K + 4}"))
+    with open(os.path.join(out, f"checkpoint-{K + 4}", "config.json"), "w", encoding="utf-8") as f:
+        f.write("{}")
+    resumed = run_exp(sft_config(**common, resume_from_checkpoint="auto"), callbacks=[RecordBegin(begins)])
     with open(begins, encoding="utf-8") as f:
         assert f.read().split() == ["0", str(K)]  # the rerun started at the checkpoint, not at 0
 

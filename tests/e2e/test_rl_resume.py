@@ -16,6 +16,7 @@ import json
 import logging
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -118,6 +119,8 @@ def test_killed_ppo_run_resumes_exactly_from_the_latest_complete_checkpoint(ray_
     resumed = run_exp(ppo_config(b_dir, resume_from_checkpoint="auto"))
     b_steps = _steps(resumed.output_dir)
     assert sorted(b_steps) == [1, 2, 3, 4]
+    elapsed = [b_steps[s]["elapsed_time"] for s in (1, 2, 3, 4)]  # goes on from the killed run's clock
+    assert all(later > earlier for earlier, later in zip(elapsed, elapsed[1:])), elapsed
     for step in (3, 4):  # the same samples scored the same and the same updates
         for key in ("reward", "score", "loss", "value_loss", "kl", "lr", "critic/lr"):
             assert b_steps[step][key] == pytest.approx(a_steps[step][key], abs=PARAM_TOL), (step, key)
@@ -176,3 +179,28 @@ def test_critic_killed_mid_run_restarts_from_the_last_checkpoint(ray_session, tm
     steps = _steps(result.output_dir)  # asserts no step is repeated
     assert sorted(steps) == [1, 2, 3, 4, 5, 6]
     assert json.loads((out / "all_results.json").read_text())["total_steps"] == 6
+
+
+def test_grpo_resumed_from_a_named_checkpoint_repeats_the_unbroken_run(ray_session, tmp_path):
+    """The same checkpoints serve stage grpo: resuming from A's own checkpoint-2 (named by its
+    path, in a copy of A's output) trains steps 3-4 exactly as A did."""
+    def grpo(output_dir, **overrides):
+        return ppo_config(output_dir, stage="grpo", finetuning_type="full", num_generations=4, rollout_batch_size=4,
+                          reward_funcs=["digit_ratio"], beta=0.02, critic_init=None,
+                          **overrides)
+
+    a = run_exp(grpo(tmp_path / "a"))
+    b_dir = tmp_path / "b"
+    shutil.copytree(tmp_path / "a" / "checkpoint-2", b_dir / "checkpoint-2")
+    with open(tmp_path / "a" / "trainer_log.jsonl", encoding="utf-8") as f:  # what B had logged by step 2
+        (b_dir / "trainer_log.jsonl").write_text("".join(line for line in f if json.loads(line)["current_steps"] <= 2))
+    resumed = run_exp(grpo(b_dir, resume_from_checkpoint=str(b_dir / "checkpoint-2")))
+
+    a_steps, b_steps = _steps(a.output_dir), _steps(resumed.output_dir)
+    assert sorted(b_steps) == [1, 2, 3, 4]
+    for step in (3, 4):
+        for key in ("reward", "loss", "kl", "lr"):
+            assert b_steps[step][key] == pytest.approx(a_steps[step][key], abs=PARAM_TOL), (step, key)
+    a_weights = load_file(os.path.join(a.output_dir, "model.safetensors"))
+    b_weights = load_file(os.path.join(resumed.output_dir, "model.safetensors"))
+    assert max((a_weights[k] - b_weights[k]).abs().max().item() for k in a_weights) <= PARAM_TOL
