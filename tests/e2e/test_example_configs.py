@@ -43,8 +43,15 @@ def test_the_documented_examples_are_all_there():
         "ds_z3_offload_config.json"}
 
 
+# Configs that start from the outputs of earlier runs (their header shows the chain); the named
+# test runs that chain and then the config.
+CHAINED = {"ppo_lora.yaml": "test_ppo.py"}
+
+
 @pytest.mark.parametrize("path", CONFIGS, ids=_name)
 def test_config_loads_and_runs_here(path, monkeypatch):
+    if _name(path) in CHAINED:
+        pytest.skip(f"starts from the sft and rm outputs it names; {CHAINED[_name(path)]} trains that chain and it")
     cfg = _load(path, monkeypatch)
     assert cfg.notes == []  # nothing ignored or translated: the examples use our own spellings
     # Runnable on this machine without a hub: the embedded tiny model and our demo datasets.
@@ -96,6 +103,7 @@ TRAINED_ELSEWHERE = {
     "kto_full.yaml": "test_kto.py",
     "grpo_full.yaml": "test_grpo.py",
     "grpo_lora.yaml": "test_grpo.py",
+    "ppo_lora.yaml": "test_ppo.py",
 }
 # Run one after another: on 2 cores, three runs at once in threads took as long (183 s vs 175 s)
 # and a failure would no longer name its config.
