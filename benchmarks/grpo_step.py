@@ -111,26 +111,33 @@ def summarize(config: dict, records: list[dict], log_start: float, t0: float) ->
             "first_step_s": log_start + records[0]["elapsed_time"] - t0}
 
 
-def run_setting(name: str, steps: int) -> dict:
+def timed_run(config: dict, out_dir: str, roles: dict[str, str] = ROLES) -> tuple[list[dict], float, float, float, dict]:
+    """run_exp(config) on a local Ray of its own under the peak-RSS poller: the trainer_log records,
+    when the log started, when the call started, its wall seconds, and the peak RSS per role."""
     import ray
 
     from cluster.driver import run_exp
 
+    sampler = RolePeakRSS(roles)
+    sampler.start()
+    t0 = time.time()
+    try:
+        run_exp(dict(config))
+        wall = time.time() - t0
+    finally:
+        peak = sampler.stop()
+        ray.shutdown()  # the next setting starts a Ray of its own
+    log_path = os.path.join(out_dir, "trainer_log.jsonl")
+    with open(log_path, encoding="utf-8") as f:
+        records = [json.loads(line) for line in f if line.strip()]
+    log_start = os.path.getmtime(log_path) - records[-1]["elapsed_time"]
+    return records, log_start, t0, wall, peak
+
+
+def run_setting(name: str, steps: int) -> dict:
     with tempfile.TemporaryDirectory(prefix=f"bench-grpo-{name}-") as out_dir:
         config = setting_config(name, steps, out_dir)
-        sampler = RolePeakRSS()
-        sampler.start()
-        t0 = time.time()
-        try:
-            run_exp(dict(config))
-            wall = time.time() - t0
-        finally:
-            peak = sampler.stop()
-            ray.shutdown()  # the next setting starts a Ray of its own
-        log_path = os.path.join(out_dir, "trainer_log.jsonl")
-        with open(log_path, encoding="utf-8") as f:
-            records = [json.loads(line) for line in f if line.strip()]
-        log_start = os.path.getmtime(log_path) - records[-1]["elapsed_time"]
+        records, log_start, t0, wall, peak = timed_run(config, out_dir)
         figures = summarize(config, records, log_start, t0)
     return {"setting": name, **figures, "wall_s": wall, **{f"rss_{k}": v for k, v in peak.items()}}
 

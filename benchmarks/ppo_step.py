@@ -30,11 +30,9 @@ earlier settings left in it (imports, caches).
 
 from __future__ import annotations
 
-import json
 import os
 import sys
 import tempfile
-import time
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO_ROOT)
@@ -110,27 +108,12 @@ def summarize(records: list[dict], completions_per_step: int, log_start: float, 
 
 
 def run_setting(name: str, steps: int, work_dir: str, reward_model: str) -> dict:
-    import ray
-
     from cluster.config import load_config
-    from cluster.driver import run_exp
 
     out_dir = os.path.join(work_dir, name)
     config = setting_config(name, steps, out_dir, reward_model)
     completions_per_step = load_config(dict(config)).rl.completions_per_step  # ppo sizes it from the batch keys
-    sampler = grpo_step.RolePeakRSS(PPO_ROLES)
-    sampler.start()
-    t0 = time.time()
-    try:
-        run_exp(dict(config))
-        wall = time.time() - t0
-    finally:
-        peak = sampler.stop()
-        ray.shutdown()
-    log_path = os.path.join(out_dir, "trainer_log.jsonl")
-    with open(log_path, encoding="utf-8") as f:
-        records = [json.loads(line) for line in f if line.strip()]
-    log_start = os.path.getmtime(log_path) - records[-1]["elapsed_time"]
+    records, log_start, t0, wall, peak = grpo_step.timed_run(config, out_dir, PPO_ROLES)
     figures = summarize(records, completions_per_step, log_start, t0)
     return {"setting": name, **figures, "wall_s": wall, **{f"rss_{k}": v for k, v in peak.items()}}
 
