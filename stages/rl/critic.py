@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Sequence
 
 import torch
 
-from .trainable import TrainableRole, completion_mask, pad_rows
+from .trainable import TrainableRole, completion_mask, pad_rows, sample_ids
 from .types import RolloutSample
 
 if TYPE_CHECKING:
@@ -73,16 +73,11 @@ class CriticWorker(TrainableRole):
         model.load_value_head(folder)
         return model
 
-    @property
-    def pad_token_id(self) -> int:
-        pad = self.tokenizer.pad_token_id
-        return pad if pad is not None else self.tokenizer.eos_token_id
-
     # --- the controller's questions ---------------------------------------------------------------
     def values(self, samples: list[RolloutSample]) -> list[list[float]]:
         """The critic's value before each completion token (no gradient)."""
         with torch.no_grad():
-            out = completion_values(self.model, *_ids(samples), self.pad_token_id)
+            out = completion_values(self.model, *sample_ids(samples), self.pad_token_id)
         return [v.tolist() for v in out]
 
     def update(self, samples: list[RolloutSample], normalizer: float) -> dict:
@@ -93,7 +88,7 @@ class CriticWorker(TrainableRole):
     def _chunk_loss(self, chunk: list[RolloutSample], normalizer: float):
         from .ppo_math import value_loss
 
-        prompts, completions = _ids(chunk)
+        prompts, completions = sample_ids(chunk)
         values = pad_rows(completion_values(self.train_model, prompts, completions, self.pad_token_id,
                                             micro_batch_size=len(chunk)))
         loss, metrics = value_loss(
@@ -132,7 +127,3 @@ def completion_values(model, prompt_ids: Sequence[Sequence[int]], completion_ids
             first = len(p) - 1  # the value at token t's predecessor is the state token t was chosen in
             results.append(values[i, first : first + len(c)])
     return results
-
-
-def _ids(samples: list[RolloutSample]) -> tuple[list[list[int]], list[list[int]]]:
-    return [s.prompt_ids for s in samples], [s.completion_ids for s in samples]

@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Optional
 
 import torch
 
-from .trainable import TrainableRole, completion_mask, pad_rows
+from .trainable import TrainableRole, completion_mask, pad_rows, sample_ids
 from .types import Completion, RolloutSample, SamplingSpec
 
 if TYPE_CHECKING:
@@ -65,18 +65,13 @@ class PolicyWorker(TrainableRole):
         trainable, total = count_parameters(model)
         return {"trainable_params": trainable, "total_params": total, "reference": self.reference.kind}
 
-    @property
-    def pad_token_id(self) -> int:
-        pad = self.tokenizer.pad_token_id
-        return pad if pad is not None else self.tokenizer.eos_token_id
-
     # --- the controller's questions ---------------------------------------------------------------
     def logprobs(self, samples: list[RolloutSample]) -> list[list[float]]:
         """The current policy's log-prob of every completion token (the "old" policy of an update)."""
         from .logprobs import completion_logprobs
 
         with torch.no_grad():
-            out = completion_logprobs(self.model, *_ids(samples), self.pad_token_id,
+            out = completion_logprobs(self.model, *sample_ids(samples), self.pad_token_id,
                                       temperature=self.spec.generating.temperature)
         return [t.tolist() for t in out]
 
@@ -87,10 +82,10 @@ class PolicyWorker(TrainableRole):
         temperature = self.spec.generating.temperature
         with torch.no_grad():
             if self.reference.kind == "model":
-                out = completion_logprobs(self.reference.model, *_ids(samples), self.pad_token_id, temperature=temperature)
+                out = completion_logprobs(self.reference.model, *sample_ids(samples), self.pad_token_id, temperature=temperature)
             elif self.reference.kind == "adapter_disabled":
                 with self.model.disable_adapter():
-                    out = completion_logprobs(self.model, *_ids(samples), self.pad_token_id, temperature=temperature)
+                    out = completion_logprobs(self.model, *sample_ids(samples), self.pad_token_id, temperature=temperature)
             else:
                 raise RuntimeError("reference log-probs asked for, but beta is 0: no reference model was loaded")
         return [t.tolist() for t in out]
@@ -105,7 +100,7 @@ class PolicyWorker(TrainableRole):
         from .logprobs import completion_logprobs
 
         rl = self.spec.rl
-        prompts, completions = _ids(chunk)
+        prompts, completions = sample_ids(chunk)
         # One forward per micro-batch: DDP pairs each forward with the backward that follows it.
         logp = pad_rows(completion_logprobs(self.train_model, prompts, completions, self.pad_token_id,
                                             temperature=self.spec.generating.temperature, micro_batch_size=len(chunk)))
@@ -146,7 +141,3 @@ class PolicyWorker(TrainableRole):
         self.tokenizer.chat_template = to_jinja(self.template, self.tokenizer)  # serving formats prompts as training did
         self.tokenizer.save_pretrained(output_dir)
         return output_dir
-
-
-def _ids(samples: list[RolloutSample]) -> tuple[list[list[int]], list[list[int]]]:
-    return [s.prompt_ids for s in samples], [s.completion_ids for s in samples]

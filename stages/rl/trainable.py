@@ -80,6 +80,12 @@ class TrainableRole:
         out.update(grad_norm=grad_norm, lr=self.scheduler.get_last_lr()[0], num_samples=len(samples))
         return out
 
+    @property
+    def pad_token_id(self) -> int:
+        """The tokenizer's pad id (eos when it has none): what rows are padded with."""
+        pad = self.tokenizer.pad_token_id
+        return pad if pad is not None else self.tokenizer.eos_token_id
+
     # --- checkpoints ---------------------------------------------------------------------------------
     def save_checkpoint(self, folder: str) -> None:
         """This rank's part of an RL checkpoint: rank 0 the trainable weights, optimizer and
@@ -111,3 +117,8 @@ def pad_rows(rows: list[torch.Tensor]) -> torch.Tensor:
 def completion_mask(completions: list[list[int]]) -> torch.Tensor:
     """1.0 on every completion token, 0.0 on the padding after it, as [B, T]."""
     return pad_rows([torch.ones(len(c)) for c in completions])
+
+
+def sample_ids(samples: list) -> tuple[list[list[int]], list[list[int]]]:
+    """(prompt ids, completion ids) of rollout samples, in order."""
+    return [s.prompt_ids for s in samples], [s.completion_ids for s in samples]
