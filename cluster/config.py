@@ -43,7 +43,7 @@ from .lf_compat import apply_lf_compat
 from .paths import resolve_paths
 from .rl_checks import check_rl
 from .serve.args import ServeArguments
-from .training_checks import check_training_options
+from .training_checks import check_streaming, check_trainer_checkpoint, check_training_options
 
 RESOLVED_CONFIG_NAME = "rayfactory_config.yaml"
 GROUPS: dict[str, type] = {
@@ -339,6 +339,8 @@ def _check_and_resolve(run: RunConfig, where: typing.Callable[[str], str], purpo
     if purpose != "train":
         check_extras({"quantization_bit": model.quantization_bit}, where)
         return
+    if data.streaming:
+        check_streaming(stage.name, stage.launch, training, where)
     if not training.get("output_dir"):
         raise ConfigError(
             f"output_dir is missing in {where('output_dir')}. Set the folder that receives checkpoints, "
@@ -382,6 +384,8 @@ def _check_and_resolve(run: RunConfig, where: typing.Callable[[str], str], purpo
                 f"(looked for {os.path.abspath(resume)}). Point it at a checkpoint folder, or remove it."
             )
         training["resume_from_checkpoint"] = os.path.abspath(resume)
+        if not is_rl:  # the RL stages check their own checkpoints (stages/rl/checkpoint.py resolve_resume)
+            check_trainer_checkpoint(training["resume_from_checkpoint"], where)
     training.setdefault("report_to", "none")
     check_extras({"deepspeed": training.get("deepspeed"), "quantization_bit": model.quantization_bit,
                   "rollout_backend": is_rl and run.rl.rollout_backend == "vllm"}, where)

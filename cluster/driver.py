@@ -11,6 +11,7 @@ from typing import Any, Iterable, Optional
 
 from .config import ConfigError, RunConfig, load_config
 from .console import Console
+from .output_checks import check_output_dirs
 
 logger = logging.getLogger(__name__)
 
@@ -56,11 +57,15 @@ def run_exp(
         check_data(cfg.data, spec.stage)
     else:  # prediction only: the eval datasets are all it reads
         check_data(dataclasses.replace(cfg.data, dataset=cfg.data.eval_dataset), spec.stage)
-    os.makedirs(output_dir, exist_ok=True)
+    # Writable, with room for a checkpoint (and a local ray_storage_path too); creates output_dir.
+    check_output_dirs(cfg, train=do_train)
     if do_train:  # a prediction-only run leaves the model folder's own saved config alone
         cfg.write_yaml()  # the resolved config, so the run can be repeated exactly
     console.plan(cfg)
-    resources = connect(cfg.ray, extra_cpus=_rl_role_cpus(cfg))
+    # A streamed dataset is read by Ray tasks that hold a CPU each while they read their whole file;
+    # a local Ray declares one more CPU so that tokenization runs beside the reading (without it
+    # the first batch waited for an 800k-line corpus to be read whole: 170 s instead of 13 s).
+    resources = connect(cfg.ray, extra_cpus=_rl_role_cpus(cfg) + (1 if cfg.data.streaming else 0))
     _check_resources(cfg, resources)
     if not do_train:
         predicted = _predict(cfg, console, trained=False, template=configured_template)

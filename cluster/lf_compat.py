@@ -31,7 +31,7 @@ IGNORED_KEYS = {
 UNSUPPORTED_KEYS = (
     "use_unsloth", "use_unsloth_gc", "enable_liger_kernel", "use_galore", "use_apollo", "use_badam",
     "use_llama_pro", "use_adam_mini", "use_muon", "pissa_init", "pissa_convert", "use_dft_loss",
-    "use_asft_loss", "use_eaft_loss", "use_mca", "use_kt", "use_swanlab", "streaming", "shift_attn",
+    "use_asft_loss", "use_eaft_loss", "use_mca", "use_kt", "use_swanlab", "shift_attn",
     "mixture_of_depths", "rope_scaling", "loraplus_lr_ratio", "create_new_adapter", "add_tokens",
     "add_special_tokens", "upcast_layernorm", "upcast_lmhead_output", "train_from_scratch",
     "compute_accuracy", "pure_bf16", "media_dir", "fp8",

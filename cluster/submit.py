@@ -1,6 +1,9 @@
-"""Build (and optionally run) the ``ray job submit`` command for a training config.
+"""Build (and optionally run) the ``ray job submit`` command for a training config, and the
+``ray job status|logs|stop|list`` commands that follow a submitted job.
 
-    python -m cluster.submit configs/quickstart.yaml [key=value ...] --address http://HEAD:8265
+    rayfactory submit configs/quickstart.yaml [key=value ...] --address http://HEAD:8265
+    python -m cluster.submit configs/quickstart.yaml ...      # the same parser and code
+    rayfactory status|logs|stop JOB_ID --address http://HEAD:8265
 
 The job ships this checkout as its working dir and runs ``python -m cluster.cli train <cfg>``
 there. ``python -m`` (not the ``rayfactory`` console script) because the working dir is not
@@ -20,6 +23,8 @@ import shlex
 import subprocess
 import sys
 from typing import Iterable, Mapping, Sequence
+
+from .arguments import parse_arguments
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DEFAULT_DASHBOARD = "http://127.0.0.1:8265"
@@ -51,36 +56,102 @@ AUTH_HELP = (
     "a private network). See docs/cluster.md."
 )
 
+PIP_WITH_IMAGE = (
+    "--pip and --image cannot be combined. With --image the job runs inside that container image "
+    "(Ray's image_uri runtime env), and Ray accepts no other runtime-env field next to image_uri "
+    "(only env_vars and config), so it would refuse the pip list. Either bake the packages into the "
+    "image (a Dockerfile FROM the cluster's Ray image with RUN pip install ...) and pass only --image, "
+    "or drop --image and let --pip install them on top of the image the cluster already runs."
+)
+
+IMAGE_WITH_WORKING_DIR = (
+    "--image and --working-dir cannot be combined. Ray accepts no working_dir (or excludes) next to "
+    "image_uri, so with --image nothing is uploaded: the job runs the RayFactory code and configs baked "
+    "into the image, from the image's WORKDIR. Build the image from the folder you meant to upload "
+    "(COPY it to the WORKDIR), or drop --image to upload the folder instead."
+)
+
+# The job commands `rayfactory` wraps, with their help line. `ray job <action>` takes the same name.
+JOB_ACTIONS = {
+    "status": "show a submitted job's status (ray job status)",
+    "logs": "print a submitted job's output; --follow tails it (ray job logs)",
+    "stop": "stop a submitted job (ray job stop)",
+    "jobs": "list the cluster's jobs (ray job list)",
+}
+
+
+class SubmitError(ValueError):
+    """A mistake in the submit options; the message is the paragraph printed to the user."""
+
 
 def build_submit_command(
     config_path: str,
     overrides: Sequence[str] = (),
     *,
     address: str | None = None,
-    working_dir: str = REPO_ROOT,
+    working_dir: str | None = None,
     submission_id: str | None = None,
     no_wait: bool = False,
+    pip: Sequence[str] = (),
+    image: str | None = None,
     ray_executable: str = "ray",
     python: str = "python",
 ) -> list[str]:
     """The argv of ``ray job submit`` that trains ``config_path`` on the cluster at ``address``.
 
-    A config inside ``working_dir`` travels with it and is named relative to it; one outside is
-    named by its absolute path, which then must exist on the head node too (a local cluster or
-    a shared filesystem).
+    ``working_dir`` (default: this checkout) is uploaded. A config inside it travels with it and
+    is named relative to it; one outside is named by its absolute path, which then must exist on
+    the head node too (a local cluster or a shared filesystem). ``pip`` / ``image`` go into the
+    job's runtime env (see runtime_env); with ``image`` nothing is uploaded and the config is named
+    relative to this checkout, which the image is expected to hold at its WORKDIR.
     """
     import json
 
-    working_dir = os.path.abspath(working_dir)
+    if image and working_dir:
+        raise SubmitError(IMAGE_WITH_WORKING_DIR)
+    working_dir = os.path.abspath(working_dir or REPO_ROOT)
     command = [ray_executable, "job", "submit", "--address", address or DEFAULT_DASHBOARD]
-    command += ["--working-dir", working_dir]
-    command += ["--runtime-env-json", json.dumps({"excludes": list(UPLOAD_EXCLUDES)})]
+    if not image:  # Ray refuses a working_dir next to image_uri
+        command += ["--working-dir", working_dir]
+    command += ["--runtime-env-json", json.dumps(runtime_env(pip, image))]
     if submission_id:
         command += ["--submission-id", submission_id]
     if no_wait:
         command.append("--no-wait")
     command += ["--", python, "-m", "cluster.cli", "train", config_argument(config_path, working_dir)]
     return command + list(overrides)
+
+
+def runtime_env(pip: Sequence[str] = (), image: str | None = None) -> dict:
+    """The job's runtime env: the upload excludes plus packages to install, or an image to run in.
+
+    One dict, because ``ray job submit`` takes one --runtime-env-json (Ray adds --working-dir to
+    it). ``image_uri`` stands alone: Ray 2.60 refuses it next to any field but env_vars and config.
+    """
+    if pip and image:
+        raise SubmitError(PIP_WITH_IMAGE)
+    if image:
+        return {"image_uri": image}  # the nodes run it with podman; the code must be in the image
+    env: dict = {"excludes": list(UPLOAD_EXCLUDES)}
+    if pip:
+        env["pip"] = list(pip)  # installed into a virtualenv per job (it sees the image's packages)
+    return env
+
+
+def build_job_command(action: str, job_id: str | None = None, *, address: str | None = None,
+                      follow: bool = False, ray_executable: str = "ray") -> list[str]:
+    """The argv of ``ray job status|logs|stop JOB_ID`` (or ``ray job list``) for the dashboard at ``address``."""
+    if action not in JOB_ACTIONS:
+        raise ValueError(f"action must be one of {sorted(JOB_ACTIONS)}, got {action!r}")
+    ray_action = "list" if action == "jobs" else action
+    command = [ray_executable, "job", ray_action, "--address", address or DEFAULT_DASHBOARD]
+    if follow:
+        command.append("--follow")
+    if action != "jobs":
+        if not job_id:
+            raise ValueError(f"ray job {ray_action} needs a job id")
+        command.append(job_id)
+    return command
 
 
 def config_argument(config_path: str, working_dir: str) -> str:
@@ -135,41 +206,89 @@ def config_notes(config_path: str, overrides: Iterable[str] = ()) -> list[str]:
     return notes
 
 
+def default_address() -> str:
+    return os.environ.get("RAY_API_SERVER_ADDRESS") or DEFAULT_DASHBOARD
+
+
+def _add_address(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--address", default=default_address(),
+                        help="the head's dashboard URL (default: $RAY_API_SERVER_ADDRESS or %(default)s)")
+
+
+def add_submit_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """The options of ``rayfactory submit`` and ``python -m cluster.submit`` (one list for both)."""
+    parser.add_argument("config", help="YAML config; inside the working dir it is uploaded with it")
+    parser.add_argument("overrides", nargs="*", metavar="key=value",
+                        help="override config keys (right after the config), e.g. lora_rank=16")
+    _add_address(parser)
+    parser.add_argument("--working-dir", default=None, help=f"folder to upload (default: this checkout, {REPO_ROOT})")
+    parser.add_argument("--submission-id", default=None, help="the job's id (default: Ray picks one)")
+    parser.add_argument("--no-wait", action="store_true", help="return once submitted instead of tailing logs")
+    parser.add_argument("--dry-run", action="store_true", help="print the command, do not run it")
+    parser.add_argument("--pip", action="append", default=[], metavar="SPEC",
+                        help="a package for the job's runtime env, e.g. --pip 'peft==0.21.2' (repeatable); "
+                             "Ray installs it on every node the job uses")
+    parser.add_argument("--image", default=None, metavar="IMAGE",
+                        help="run the job in this container image (runtime env image_uri; the nodes need "
+                             "podman): nothing is uploaded, the image holds this checkout at its WORKDIR; "
+                             "not together with --pip or --working-dir")
+    return parser
+
+
+def add_job_arguments(parser: argparse.ArgumentParser, action: str) -> argparse.ArgumentParser:
+    """The options of ``rayfactory status|logs|stop|jobs``."""
+    if action != "jobs":
+        parser.add_argument("job_id", metavar="JOB_ID", help="the submission id (printed by submit)")
+    _add_address(parser)
+    if action == "logs":
+        parser.add_argument("-f", "--follow", action="store_true", help="keep printing until the job ends")
+    parser.set_defaults(job_action=action)
+    return parser
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="python -m cluster.submit", description="Submit a RayFactory training config as a Ray job."
     )
-    parser.add_argument("config", help="YAML config; inside the working dir it is uploaded with it")
-    parser.add_argument("overrides", nargs="*", metavar="key=value")
-    parser.add_argument("--address", default=os.environ.get("RAY_API_SERVER_ADDRESS") or DEFAULT_DASHBOARD,
-                        help="the head's dashboard URL (default: $RAY_API_SERVER_ADDRESS or %(default)s)")
-    parser.add_argument("--working-dir", default=REPO_ROOT, help="folder to upload (default: this checkout)")
-    parser.add_argument("--submission-id", default=None)
-    parser.add_argument("--no-wait", action="store_true", help="return once submitted instead of tailing logs")
-    parser.add_argument("--dry-run", action="store_true", help="print the command, do not run it")
-    args = parser.parse_args(argv)
+    return run_submit(parse_arguments(add_submit_arguments(parser), argv))
 
+
+def run_submit(args: argparse.Namespace) -> int:
+    """Submit ``args.config`` (or print the command with --dry-run); the exit status of ``ray job submit``."""
     if not os.path.isfile(args.config):
         print(f"rayfactory submit: error: config file {args.config} not found (looked for "
               f"{os.path.abspath(args.config)}).", file=sys.stderr)
         return USER_ERROR_EXIT
-    command = build_submit_command(
-        args.config, args.overrides, address=args.address, working_dir=args.working_dir,
-        submission_id=args.submission_id, no_wait=args.no_wait,
-    )
+    try:
+        command = build_submit_command(
+            args.config, args.overrides, address=args.address, working_dir=args.working_dir,
+            submission_id=args.submission_id, no_wait=args.no_wait, pip=args.pip, image=args.image,
+        )
+    except SubmitError as exc:
+        print(f"rayfactory submit: error: {exc}", file=sys.stderr)
+        return USER_ERROR_EXIT
     for note in config_notes(args.config, args.overrides):
         print(f"rayfactory submit: note: {note}", file=sys.stderr)
     if os.path.isabs(command[command.index("train") + 1]):
+        where = "inside the image" if args.image else "on the head node"
         print("rayfactory submit: note: the config lies outside the working dir, so the job reads it from "
-              f"{os.path.abspath(args.config)} on the head node.", file=sys.stderr)
+              f"{os.path.abspath(args.config)} {where}.", file=sys.stderr)
     if args.dry_run:
         print(shlex.join(command))
         return 0
     return _run(command, args.address)
 
 
-def _run(command: list[str], address: str) -> int:
-    """Run ``ray job submit``, streaming its output; explain the one failure every new user meets."""
+def run_job(args: argparse.Namespace) -> int:
+    """``rayfactory status|logs|stop|jobs``: the ``ray job`` command with token auth; ray's exit status."""
+    command = build_job_command(args.job_action, getattr(args, "job_id", None), address=args.address,
+                                follow=getattr(args, "follow", False))
+    return _run(command, args.address, f"rayfactory {args.job_action}")
+
+
+def _run(command: list[str], address: str, prog: str = "rayfactory submit") -> int:
+    """Run a ``ray job ...`` command with token auth, streaming its output; explain the one failure
+    every new user meets (exit status 2), else return ray's exit status."""
     process = subprocess.Popen(command, env=submission_env(), stdout=subprocess.PIPE,
                                stderr=subprocess.STDOUT, text=True, bufsize=1)
     auth_failed = False
@@ -179,7 +298,7 @@ def _run(command: list[str], address: str) -> int:
         auth_failed = auth_failed or "Missing authentication token" in line
     code = process.wait()
     if code != 0 and auth_failed:
-        print(f"rayfactory submit: error: {AUTH_HELP.format(address=address)}", file=sys.stderr)
+        print(f"{prog}: error: {AUTH_HELP.format(address=address)}", file=sys.stderr)
         return USER_ERROR_EXIT
     return code
 

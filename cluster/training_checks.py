@@ -3,11 +3,16 @@ instead of a traceback from every Ray Train worker."""
 
 from __future__ import annotations
 
+import logging
+import os
 import typing
 
 from stages.args import TrainingOptions, TrainingOptionsError
+from stages.checkpoint_files import MANIFEST_NAME, TRAINER_STATE_FILE, has_manifest, verify_checkpoint
 
 from .config_types import ConfigError
+
+logger = logging.getLogger(__name__)
 
 # (key, test, what the value must be): ranges transformers itself does not check up front.
 _RANGES = (
@@ -38,3 +43,50 @@ def check_training_options(options: TrainingOptions, where: typing.Callable[[str
         keys = [k for k in values if k in str(exc)]
         places = sorted({where(k) for k in keys}) or [where("output_dir")]
         raise ConfigError(f"{exc} (set in {' / '.join(places)})") from None
+
+
+def check_streaming(stage_name: str, launch: str, values: dict, where: typing.Callable[[str], str]) -> None:
+    """streaming: true trains from a stream with no known length, so the run needs a step count,
+    and only the Ray Train stages read their data that way (RL stages sample prompts on the driver)."""
+    if launch == "rl_controller":
+        raise ConfigError(
+            f"streaming is true in {where('streaming')}, but stage {stage_name!r} keeps its prompts on the driver "
+            "and samples them each step, so it has nothing to stream. Remove streaming."
+        )
+    max_steps = values.get("max_steps")
+    if not isinstance(max_steps, int) or isinstance(max_steps, bool) or max_steps <= 0:
+        raise ConfigError(
+            f"streaming is true in {where('streaming')} but max_steps is {max_steps!r}: a streamed dataset has no "
+            "length, so the number of epochs cannot say when training ends. Set max_steps (the optimizer steps "
+            "to train), as LLaMA-Factory requires for streaming too."
+        )
+
+
+def check_trainer_checkpoint(path: str, where: typing.Callable[[str], str]) -> None:
+    """An explicit ``resume_from_checkpoint`` of an HF Trainer stage must be a committed checkpoint:
+    its manifest (stages/checkpoint_files.py) lists every file with its size. One without a manifest
+    but with trainer_state.json predates manifests (or comes from another tool): it is taken as it
+    is, with a warning, since it cannot be checked. ``auto`` is resolved on the workers instead."""
+    reason = verify_checkpoint(path)
+    if reason is None:
+        return
+    place = where("resume_from_checkpoint")
+    if not has_manifest(path):
+        if os.path.isfile(os.path.join(path, TRAINER_STATE_FILE)):
+            logger.warning(
+                "resume_from_checkpoint %s has no %s (it was written before checkpoints had manifests, or by "
+                "another tool), so whether every file in it is complete cannot be checked; resuming from it as it is.",
+                path, MANIFEST_NAME)
+            return
+        raise ConfigError(
+            f"resume_from_checkpoint {path} in {place} is not a complete checkpoint: it has neither {MANIFEST_NAME} "
+            f"nor {TRAINER_STATE_FILE}, so either it is not a checkpoint-N folder of an HF Trainer run or that run "
+            "stopped while writing it. Point resume_from_checkpoint at a checkpoint-N folder that has them, or set "
+            "resume_from_checkpoint: auto to resume from the newest complete checkpoint in output_dir."
+        )
+    raise ConfigError(
+        f"resume_from_checkpoint {path} in {place} is a half-written checkpoint: {reason}. A file was cut short or "
+        "lost after the checkpoint was committed (a full disk, a copy or a crash), so resuming from it would load "
+        "broken state. Point resume_from_checkpoint at an earlier checkpoint-N folder, or set "
+        "resume_from_checkpoint: auto to resume from the newest complete checkpoint in output_dir."
+    )

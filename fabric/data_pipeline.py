@@ -86,8 +86,15 @@ def prepare_datasets(data_args: DataArguments, stage: StageSpec, seed: int, toke
         if _reuses_cache(data_args):
             return _load_cache(data_args.tokenized_path, fingerprint)
         started = time.time()
-        train, evaluation = _tokenized_splits(data_args, stage, seed, tokenizer, template)
-    stats = {"train_examples": train.count(), "eval_examples": evaluation.count() if evaluation else 0}
+        if data_args.streaming:
+            from .streaming_data import streamed_splits
+
+            train, evaluation = streamed_splits(data_args, stage, seed, tokenizer, template)
+        else:
+            train, evaluation = _tokenized_splits(data_args, stage, seed, tokenizer, template)
+    # A stream is never counted: that would run the whole pipeline once before training.
+    train_count = None if data_args.streaming else train.count()
+    stats = {"train_examples": train_count, "eval_examples": evaluation.count() if evaluation else 0}
     logger.info("data ready in %.1fs: %s", time.time() - started, stats)
     if data_args.tokenized_path:
         _save_cache(data_args.tokenized_path, train, evaluation, fingerprint)
@@ -114,13 +121,13 @@ def _tokenized_splits(data_args: DataArguments, stage: StageSpec, seed: int, tok
 def _tokenized_nonempty(rows, preprocess, stage: StageSpec, split: str, where: str) -> "ray.data.Dataset":
     """Tokenized rows, or a DataConfigError when none is left: that would reach Ray Train and
     fail there, four tracebacks deep."""
-    result = _tokenized(rows, preprocess)
+    result = tokenized(rows, preprocess)
     if result.count() == 0:
-        raise DataConfigError(_nothing_left(split, where, rows, preprocess, stage))
+        raise DataConfigError(nothing_left(split, where, rows, preprocess, stage))
     return result
 
 
-def _nothing_left(split: str, where: str, rows, preprocess, stage: StageSpec) -> str:
+def nothing_left(split: str, where: str, rows, preprocess, stage: StageSpec) -> str:
     """Why no tokenized example is left: the stage's tokenizer counts what it skipped and why."""
     sample = rows.take(BATCH_SIZE)
     stats: Counter = Counter()
@@ -141,16 +148,19 @@ def aligned_mixed(names, data_args: DataArguments, stage: StageSpec, seed: int) 
     return _mix([_run(_aligned(attr, data_args, seed)) for attr in attrs], data_args, seed)
 
 
-def _tokenized(rows, preprocess) -> "ray.data.Dataset":
-    """Tokenize in windows of exactly BATCH_SIZE rows (the last may be shorter): sft packing and pt
-    blocks fill sequences within one window, so the windows must not depend on how Ray happened
-    to cut blocks. Materialized, so training starts from blocks in the object store instead of
-    competing with a running pipeline for CPUs."""
+def tokenized(rows, preprocess) -> "ray.data.Dataset":
+    """Materialized, so training starts from blocks in the object store instead of competing with
+    a running pipeline for CPUs."""
+    return _run(tokenize_windows(rows, preprocess))
+
+
+def tokenize_windows(rows, preprocess) -> "ray.data.Dataset":
+    """Tokenize (lazily) in windows of exactly BATCH_SIZE rows (the last may be shorter): sft packing
+    and pt blocks fill sequences within one window, so the windows must not depend on how Ray
+    happened to cut blocks."""
     windows = rows.repartition(target_num_rows_per_block=BATCH_SIZE, strict=True)
-    return _run(
-        windows.map_batches(
-            functools.partial(_tokenize_block, preprocess=preprocess), batch_size=BATCH_SIZE, batch_format="pyarrow"
-        )
+    return windows.map_batches(
+        functools.partial(_tokenize_block, preprocess=preprocess), batch_size=BATCH_SIZE, batch_format="pyarrow"
     )
 
 
@@ -172,9 +182,12 @@ def _aligned(attr, data_args: DataArguments, seed: int) -> "ray.data.Dataset":
                     f"Check its entry in {attr.info_path} (formatting, columns, tags)."
                 )
             logger.warning("dataset %r: %s", attr.name, _skipped_summary(rows, bad.count(), total))
-    return raw.map_batches(
-        functools.partial(_align_block, attr=attr, skip_bad_rows=data_args.skip_bad_rows), batch_format="pyarrow"
-    )
+    return align_rows(raw, attr, data_args.skip_bad_rows)
+
+
+def align_rows(raw, attr, skip_bad_rows: bool) -> "ray.data.Dataset":
+    """Raw rows (read_table's columns) -> aligned rows, lazily."""
+    return raw.map_batches(functools.partial(_align_block, attr=attr, skip_bad_rows=skip_bad_rows), batch_format="pyarrow")
 
 
 def _mix(datasets: list, data_args, seed) -> "ray.data.Dataset":
@@ -281,8 +294,15 @@ def _skipped_summary(rows, bad_count, total) -> str:
 
 def _run(dataset) -> "ray.data.Dataset":
     """Materialize, turning a user's data error raised inside a Ray task back into itself."""
-    try:
+    with user_errors_raised():
         return dataset.materialize()
+
+
+@contextlib.contextmanager
+def user_errors_raised():
+    """Running a pipeline inside: a user's data error raised in a Ray task comes out as itself."""
+    try:
+        yield
     except ray.exceptions.RayTaskError as err:
         cause = carried_user_error(err)
         if cause is not None:

@@ -47,7 +47,10 @@ def launch_training(
         datasets=datasets,
         # Not split by Ray: the Trainer's sampler shards (see worker.shard_to_hf_dataset); rows
         # arrive in the tokenized order, which exact resume and worker-count parity rely on.
-        dataset_config=DataConfig(datasets_to_split=[], execution_options=_ordered_ingest()),
+        # A stream is split by Ray: each worker pulls its own share (fabric/streamed_shard.py).
+        dataset_config=DataConfig(
+            datasets_to_split=["train"] if spec.data.streaming else [], execution_options=_ordered_ingest()
+        ),
         run_config=RunConfig(
             name=ray_args.ray_run_name or default_run_name(training.output_dir),
             storage_path=ray_args.ray_storage_path,

@@ -36,13 +36,14 @@ def train_loop(config: dict) -> None:
     from stages.job import StageJob
 
     from .ray_session import quiet_ray_data
+    from .streamed_shard import feed_streamed_shards
 
     payload: WorkerPayload = config["payload"]
     spec = payload.spec
     quiet_ray_data()
     _limit_threads()
 
-    train = shard_to_hf_dataset("train")
+    train = streamed_train_shard(spec) if spec.data.streaming else shard_to_hf_dataset("train")
     evaluation = shard_to_hf_dataset("eval") if payload.has_eval else None
     if spec.training.values.get("deepspeed"):
         _join_deepspeed_comm(payload.use_cpu)
@@ -55,7 +56,7 @@ def train_loop(config: dict) -> None:
         eval_dataset=evaluation,
         callbacks=[_report_callback(), *payload.callbacks],
         resume_from_checkpoint=_resume_point(training_args.resume_from_checkpoint, training_args.output_dir),
-        prepare_trainer=prepare_trainer,
+        prepare_trainer=lambda trainer: feed_streamed_shards(prepare_trainer(trainer)),
     )
     metrics = spec.stage.load_runner()(job)
     ray.train.report({k: v for k, v in metrics.items() if isinstance(v, (int, float))})
@@ -78,41 +79,84 @@ def shard_to_hf_dataset(name: str):
     return datasets.Dataset(pa.concat_tables(tables), fingerprint=f"ray-{name}-{uuid.uuid4().hex}")
 
 
+def streamed_train_shard(spec: JobSpec):
+    """This worker's share of a streamed training set (``streaming: true``; Ray Train split it)."""
+    from .streamed_shard import StreamedShard
+
+    return StreamedShard(ray.train.get_dataset_shard("train"), spec.data.buffer_size, spec.training.seed)
+
+
+def _readable_copy(checkpoint) -> str:
+    """A local folder holding ``checkpoint``, for this process alone to read.
+
+    Not Ray's ``to_directory()``: it downloads into one temporary folder per checkpoint, shared by
+    every process on the machine, and a process that comes after another has finished downloading
+    downloads again into the same folder, over the files the first one is loading (seen with two
+    restarted ranks on one machine: safetensors' "incomplete metadata" on model.safetensors). A
+    checkpoint on a filesystem mounted here (a local or NFS ray_storage_path) is read in place; a
+    remote one (s3://...) is downloaded into a folder of this process's own.
+    """
+    import tempfile
+
+    import pyarrow.fs
+
+    if isinstance(checkpoint.filesystem, pyarrow.fs.LocalFileSystem):
+        return checkpoint.path
+    return checkpoint.to_directory(tempfile.mkdtemp(prefix="rayfactory-resume-"))
+
+
 def _report_callback():
-    """Ray's RayTrainReportCallback, but no rank copies the HF checkpoint before every rank wrote it.
+    """Ray's RayTrainReportCallback, but it copies this step's committed checkpoint, after every rank wrote it.
 
     Each rank copies ``output_dir/checkpoint-N`` and uploads it into one shared Ray checkpoint
     folder. Without the barrier rank 1, which writes only its RNG file, copies the folder while
     rank 0 is still writing the model and optimizer there (seen: a copy holding only
     rng_state_1.pth, 20-40 ms ahead of rank 0), and a half-written file it uploads last wins.
+    (stages/hf_checkpoints.py's CommitCheckpoints, which runs before this callback, has already
+    written the folder's manifest, so the Ray copy carries it too.)
+
+    Ray's own on_save copies the checkpoint-N with the largest N in output_dir. After a resume from
+    an earlier checkpoint that can be a folder of the replaced run (or one skipped as half-written),
+    which a worker-group restart would then load from Ray storage; so the folder copied here is
+    the one of the step just saved.
     """
-    import torch.distributed as dist
+    import shutil
+    import tempfile
+
+    from ray.train import Checkpoint
     from ray.train.huggingface.transformers import RayTrainReportCallback
+
+    from stages.checkpoint_files import checkpoint_path
+    from stages.hf_checkpoints import wait_for_all_ranks
 
     class ReportAfterAllRanksSaved(RayTrainReportCallback):
         def on_save(self, args, state, control, **kwargs):
-            if dist.is_available() and dist.is_initialized():
-                dist.barrier()
-            super().on_save(args, state, control, **kwargs)
+            wait_for_all_ranks()
+            metrics = {}
+            for record in state.log_history:  # the latest value of every metric, as Ray's callback reports
+                metrics.update(record)
+            with tempfile.TemporaryDirectory() as staging:
+                shutil.copytree(checkpoint_path(args.output_dir, state.global_step),
+                                os.path.join(staging, self.CHECKPOINT_NAME))
+                ray.train.report(metrics=metrics, checkpoint=Checkpoint.from_directory(staging))
 
     return ReportAfterAllRanksSaved()
 
 
 def _resume_point(requested: Optional[str], output_dir: str) -> Optional[str]:
     """A restarted worker group resumes from Ray's last reported checkpoint; otherwise the user's
-    ``resume_from_checkpoint``: a checkpoint folder (the config checks it exists), or ``auto``, the
-    latest checkpoint-N in output_dir that the Trainer finished (none: a fresh start)."""
+    ``resume_from_checkpoint``: a checkpoint folder (the config checked it), or ``auto``, the newest
+    checkpoint-N in output_dir whose manifest verifies (stages/checkpoint_files.py); newer ones that
+    fail are skipped with a warning, never loaded. None of them: a fresh start."""
     checkpoint = ray.train.get_checkpoint()
     if checkpoint is not None:
-        local = checkpoint.to_directory()
+        local = _readable_copy(checkpoint)
         nested = os.path.join(local, RAY_CKPT_SUBDIR)
         return nested if os.path.isdir(nested) else local
     if requested == "auto":
-        from transformers.trainer import TRAINER_STATE_NAME
+        from stages.checkpoint_files import latest_committed
 
-        from stages.rl.checkpoint import latest_checkpoint
-
-        return latest_checkpoint(output_dir, marker=TRAINER_STATE_NAME)
+        return latest_committed(output_dir)
     return requested or None
 
 

@@ -44,6 +44,10 @@ class JobSpec:
     def training_arguments(self, use_cpu: bool) -> "Seq2SeqTrainingArguments":
         """The real trainer arguments, built where training runs (it sets up devices)."""
         overrides = {"use_cpu": True} if use_cpu else {}
+        # The Trainer's own rotation counts half-written folders and may delete the last good
+        # checkpoint for one; CommitCheckpoints (build_trainer) rotates committed ones by the
+        # user's save_total_limit instead (stages/hf_checkpoints.py).
+        overrides["save_total_limit"] = None
         if self.stage.keeps_extra_columns:
             # The Trainer keeps only columns forward() names; this stage's collator needs the rest.
             overrides["remove_unused_columns"] = False
@@ -87,6 +91,7 @@ class StageJob:
     def build_trainer(self, trainer_class, model, tokenizer, **extra):
         """`trainer_class` on this worker's data, logging to trainer_log.jsonl, handed to the fabric's hook."""
         from .callbacks import JsonlLogCallback
+        from .hf_checkpoints import CommitCheckpoints
 
         if self.training_args.ddp_find_unused_parameters is None and _is_peft_model(model):
             # transformers assumes unused parameters in any model that is not a PreTrainedModel (a
@@ -102,7 +107,9 @@ class StageJob:
             eval_dataset=self.eval_dataset,
             data_collator=self.collator(tokenizer, model),
             processing_class=tokenizer,
-            callbacks=[JsonlLogCallback(self.training_args.output_dir), *self.callbacks],
+            # CommitCheckpoints before the fabric's callbacks: Ray's report copies a committed folder.
+            callbacks=[JsonlLogCallback(self.training_args.output_dir),
+                       CommitCheckpoints(self.spec.training.save_total_limit), *self.callbacks],
             **extra,
         )
         return self.prepare_trainer(trainer) if self.prepare_trainer is not None else trainer

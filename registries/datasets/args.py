@@ -36,13 +36,17 @@ class DataArguments:
     enable_thinking: bool | None = True
     tokenized_path: str | None = None
     overwrite_cache: bool = False
+    # Each train worker reads its own share of the training data as it trains, instead of holding
+    # the whole tokenized dataset (corpora larger than a worker's memory); needs max_steps.
+    streaming: bool = False
+    buffer_size: int = 16384  # rows in each worker's local shuffle buffer while streaming
     # RayFactory's own: drop malformed rows (and report them) instead of stopping at the first.
     skip_bad_rows: bool = False
 
     def __post_init__(self) -> None:
         self.dataset = _name_list("dataset", self.dataset)
         self.eval_dataset = _name_list("eval_dataset", self.eval_dataset)
-        for name in ("train_on_prompt", "mask_history", "neat_packing", "overwrite_cache", "skip_bad_rows"):
+        for name in ("train_on_prompt", "mask_history", "neat_packing", "overwrite_cache", "skip_bad_rows", "streaming"):
             _check_bool(name, getattr(self, name))
         for name in ("packing", "enable_thinking"):
             if getattr(self, name) is not None:
@@ -58,6 +62,7 @@ class DataArguments:
             _fail("max_samples", self.max_samples, "a positive integer, or null for all rows")
         self._check_val_size()
         self._check_mixing()
+        self._check_streaming()
         if self.mask_history and self.train_on_prompt:
             raise DataConfigError(
                 "Data arguments: mask_history and train_on_prompt cannot both be true: mask_history "
@@ -114,6 +119,24 @@ class DataArguments:
                     f"{len(names)} datasets ({', '.join(names)}). Give one probability per dataset."
                 )
         self.interleave_probs = probs
+
+    def _check_streaming(self) -> None:
+        if not _is_int(self.buffer_size) or self.buffer_size <= 0:
+            _fail("buffer_size", self.buffer_size, "a positive integer (rows in the shuffle buffer)")
+        if not self.streaming:
+            return
+        # What streaming cannot do: each needs every row before the first batch.
+        conflicts = [
+            (self.val_size, "val_size", "splitting off a validation share needs the row count; use eval_dataset"),
+            (self.mix_strategy != "concat", "mix_strategy " + repr(self.mix_strategy),
+             "interleaving plans over every dataset's length; use mix_strategy: concat"),
+            (self.tokenized_path, "tokenized_path", "a streamed dataset is never stored whole; remove tokenized_path"),
+        ]
+        for active, name, why in conflicts:
+            if active:
+                raise DataConfigError(
+                    f"Data arguments: streaming: true cannot be combined with {name}: {why}, or set streaming: false."
+                )
 
     @classmethod
     def field_names(cls) -> list[str]:

@@ -44,9 +44,25 @@ def read_rows(attr: DatasetAttr, max_samples: int | None = None, seed: int = 42)
 
 def read_table(attr: DatasetAttr, max_samples: int | None = None, seed: int = 42):
     """``read_rows`` as a pyarrow Table (for ``ray.data.from_arrow``)."""
+    return _rows_table(read_rows(attr, max_samples, seed))
+
+
+def iter_file_tables(attr: DatasetAttr, path: str, rows_per_table: int) -> Iterator:
+    """One file's rows as consecutive pyarrow Tables of at most ``rows_per_table`` rows (``read_table``'s
+    columns), so a reader holds one chunk at a time (a JSON list file is the exception: it is parsed whole)."""
+    chunk: list[dict[str, Any]] = []
+    for row in _READERS[_file_type(attr, path)](attr, path):
+        chunk.append(row)
+        if len(chunk) == rows_per_table:
+            yield _rows_table(chunk)
+            chunk = []
+    if chunk:
+        yield _rows_table(chunk)
+
+
+def _rows_table(rows: list[dict[str, Any]]):
     import pyarrow as pa
 
-    rows = read_rows(attr, max_samples, seed)
     return pa.table(
         {
             RAW: pa.array([r[RAW] for r in rows], pa.string()),

@@ -12,7 +12,8 @@ moment never leaves something that looks complete:
 
 ``resolve_resume`` turns ``resume_from_checkpoint`` (a folder, or ``auto``) into the folder to
 resume from, and ``load_role_state`` puts a role's part back into its model, optimizer, scheduler
-and random number generators.
+and random number generators. The listing of checkpoint folders by step, the atomic JSON write
+and the ``save_total_limit`` pruning are shared with the HF Trainer stages (stages/checkpoint_files.py).
 """
 
 from __future__ import annotations
@@ -21,7 +22,6 @@ import json
 import logging
 import os
 import random
-import re
 import shutil
 
 import numpy as np
@@ -30,25 +30,26 @@ import torch
 from registries.errors import UserError
 
 from ..callbacks import LOG_FILE
+from ..checkpoint_files import (
+    CHECKPOINT_PREFIX,
+    checkpoint_folders,
+    checkpoint_path,
+    prune_checkpoints,
+    write_json_atomically,
+)
 
 logger = logging.getLogger(__name__)
 
-CHECKPOINT_PREFIX = "checkpoint-"
 STATE_FILE = "rl_state.json"  # the controller's state; written last: its presence marks a complete checkpoint
 
 TRAINABLE_FILE = "trainable.pt"
 OPTIMIZER_FILE = "optimizer.pt"
 SCHEDULER_FILE = "scheduler.pt"
 EXTRA_FILE = "extra.json"
-_CHECKPOINT_NAME = re.compile(re.escape(CHECKPOINT_PREFIX) + r"(\d+)")
 
 
 class ResumeError(UserError):
     """A checkpoint that cannot be resumed from: not an RL checkpoint, half-written, or from another setup."""
-
-
-def checkpoint_path(output_dir: str, step: int) -> str:
-    return os.path.join(output_dir, f"{CHECKPOINT_PREFIX}{step}")
 
 
 def _staging_path(output_dir: str, step: int) -> str:
@@ -66,16 +67,6 @@ def begin_checkpoint(output_dir: str, step: int) -> str:
     return staging
 
 
-def _write_json_atomically(path: str, value) -> None:
-    """Readers see the old file or the whole new one, never a torn one."""
-    temporary = f"{path}.tmp"
-    with open(temporary, "w", encoding="utf-8") as f:
-        json.dump(value, f, indent=2)
-        f.flush()
-        os.fsync(f.fileno())  # the data reaches the disk before the rename makes it visible
-    os.replace(temporary, path)
-
-
 def commit_checkpoint(staging: str, state: dict, save_total_limit: int | None = None) -> str:
     """Seal ``staging`` as ``checkpoint-{state['global_step']}`` next to it and return that folder.
 
@@ -85,43 +76,31 @@ def commit_checkpoint(staging: str, state: dict, save_total_limit: int | None = 
     (None or <= 0: keep all) are deleted, oldest step first; the one just committed always stays,
     even if checkpoints with larger steps exist (they belong to a run this one has replaced).
     """
-    _write_json_atomically(os.path.join(staging, STATE_FILE), state)
+    write_json_atomically(os.path.join(staging, STATE_FILE), state)
     output_dir = os.path.dirname(os.path.abspath(staging))
     final = checkpoint_path(output_dir, int(state["global_step"]))
     if os.path.exists(final):
         shutil.rmtree(final)
     os.replace(staging, final)
-    if save_total_limit is not None and save_total_limit > 0:
-        others = [path for _, path in _complete_checkpoints(output_dir) if path != final]
-        for path in others[: max(0, len(others) - (save_total_limit - 1))]:
-            logger.info("Deleting %s (save_total_limit %d)", path, save_total_limit)
-            shutil.rmtree(path, ignore_errors=True)
+    prune_checkpoints(_complete_checkpoints(output_dir), save_total_limit, protected=[final])
     return final
 
 
-def is_complete(path: str, marker: str = STATE_FILE) -> bool:
-    return os.path.isfile(os.path.join(path, marker))
+def is_complete(path: str) -> bool:
+    return os.path.isfile(os.path.join(path, STATE_FILE))
 
 
-def _complete_checkpoints(output_dir: str, marker: str = STATE_FILE) -> list[tuple[int, str]]:
-    """(step, path) of every complete checkpoint-N in ``output_dir``, by step (numerically: 9 before 10);
-    complete means it holds ``marker``, the file its writer writes last."""
-    if not os.path.isdir(output_dir):
-        return []
-    found = []
-    for name in os.listdir(output_dir):
-        match = _CHECKPOINT_NAME.fullmatch(name)
-        path = os.path.join(output_dir, name)
-        if match and os.path.isdir(path) and is_complete(path, marker):
-            found.append((int(match.group(1)), path))
-    return sorted(found)
+def _complete_checkpoints(output_dir: str) -> list[tuple[int, str]]:
+    """(step, path) of every complete checkpoint-N in ``output_dir``, by step; complete means it
+    holds ``rl_state.json``, which commit_checkpoint writes before the folder gets its name."""
+    return [(step, path) for step, path in checkpoint_folders(output_dir) if is_complete(path)]
 
 
-def latest_checkpoint(output_dir: str, marker: str = STATE_FILE) -> str | None:
+def latest_checkpoint(output_dir: str) -> str | None:
     """The complete checkpoint-N with the largest N, or None. Staging folders and checkpoint-N
-    folders without ``marker`` (half-written) do not count. The HF Trainer's checkpoints of the
-    other stages are complete once they hold trainer_state.json (``marker="trainer_state.json"``)."""
-    found = _complete_checkpoints(output_dir, marker)
+    folders without ``rl_state.json`` (half-written, or an HF Trainer stage's) do not count. (The HF
+    Trainer stages find theirs with stages/checkpoint_files.py ``latest_committed``.)"""
+    found = _complete_checkpoints(output_dir)
     return found[-1][1] if found else None
 
 

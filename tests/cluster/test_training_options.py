@@ -9,6 +9,7 @@ import os
 import pytest
 
 from cluster.config import ConfigError, load_config
+from stages.checkpoint_files import write_manifest
 from tests.cluster.conftest import BASE, error_of, write
 
 pytestmark = pytest.mark.usefixtures("in_tmp")
@@ -25,8 +26,46 @@ def test_deepspeed_file_is_loaded_for_remote_workers():
 
 def test_resume_path_becomes_absolute(tmp_path):
     os.makedirs("out/checkpoint-10")
+    with open("out/checkpoint-10/trainer_state.json", "w", encoding="utf-8") as f:
+        f.write("{}")
+    write_manifest("out/checkpoint-10", 10)  # a committed checkpoint
     run = load_config({**BASE, "resume_from_checkpoint": "out/checkpoint-10"})
     assert run.training.resume_from_checkpoint == str(tmp_path / "out/checkpoint-10")
+
+
+def _checkpoint(path: str, commit: bool) -> str:
+    os.makedirs(path)
+    for name, size in (("trainer_state.json", 2), ("model.safetensors", 64)):
+        with open(os.path.join(path, name), "wb") as f:
+            f.write(b"{}" if name.endswith(".json") else bytes(size))
+    if commit:
+        write_manifest(path, 10)
+    return path
+
+
+def test_resume_from_a_folder_that_is_no_checkpoint_is_refused(tmp_path):
+    os.makedirs("out/checkpoint-10")
+    message = error_of({**BASE, "resume_from_checkpoint": "out/checkpoint-10"})
+    assert message.startswith(f"resume_from_checkpoint {tmp_path}/out/checkpoint-10 in the config dict is not a "
+                              "complete checkpoint: it has neither rayfactory_checkpoint.json nor trainer_state.json")
+
+
+def test_resume_from_a_committed_checkpoint_cut_short_is_refused(tmp_path):
+    path = _checkpoint("out/checkpoint-10", commit=True)
+    with open(os.path.join(path, "model.safetensors"), "r+b") as f:
+        f.truncate(40)
+    message = error_of({**BASE, "resume_from_checkpoint": path})
+    assert message.startswith(f"resume_from_checkpoint {tmp_path}/{path} in the config dict is a half-written "
+                              "checkpoint: model.safetensors is 40 bytes, the manifest says 64.")
+    assert "Point resume_from_checkpoint at an earlier checkpoint-N folder" in message
+
+
+def test_resume_from_a_checkpoint_without_manifest_is_taken_with_a_warning(tmp_path, caplog):
+    path = _checkpoint("out/checkpoint-10", commit=False)  # written before manifests, or by another tool
+    run = load_config({**BASE, "resume_from_checkpoint": path})
+    assert run.training.resume_from_checkpoint == str(tmp_path / path)
+    assert any("has no rayfactory_checkpoint.json" in r.getMessage() and r.levelname == "WARNING"
+               for r in caplog.records)
 
 
 def test_unknown_scheduler_is_checked_against_transformers():

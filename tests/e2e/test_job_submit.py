@@ -1,4 +1,5 @@
-"""The cluster path: `ray start --head` + `ray job submit` of a training config, as a user runs it.
+"""The cluster path: `ray start --head`, then `rayfactory submit` of a training config and
+`rayfactory status|logs|jobs|stop` (the `ray job` commands with token auth), as a user runs them.
 
 Each head is a real Ray started by this module (random free ports, 4 logical CPUs, its own
 --temp-dir) and stopped by signalling only its own process session: `ray stop` would kill every
@@ -157,11 +158,30 @@ def _run(command: list[str], env: dict, timeout: float = JOB_TIMEOUT_S) -> subpr
     return subprocess.run(command, env=env, cwd=REPO_ROOT, capture_output=True, text=True, timeout=timeout)
 
 
+def _cli(*args: str, env: dict, timeout: float = 120) -> subprocess.CompletedProcess:
+    """``rayfactory ARGS`` as a user runs it from the checkout (``python -m cluster.cli``)."""
+    return _run([sys.executable, "-m", "cluster.cli", *args], env, timeout=timeout)
+
+
 def _job_status(head: Head, job_id: str, env: dict) -> str:
-    result = _run([RAY, "job", "status", "--address", head.dashboard_url, job_id], env, timeout=120)
-    found = re.search(rf"Job '{re.escape(job_id)}' (\w+)", result.stdout + result.stderr)
-    assert found, result.stdout + result.stderr
-    return found.group(1)
+    result = _cli("status", job_id, "--address", head.dashboard_url, env=env)
+    output = result.stdout + result.stderr
+    # Ray words an ended job "Job 'ID' succeeded|failed|was stopped", any other "Status for job 'ID': RUNNING"
+    job = re.escape(job_id)
+    found = re.search(rf"Job '{job}' (?:was )?(\w+)|Status for job '{job}': (\w+)", output)
+    assert result.returncode == 0 and found, output
+    return (found.group(1) or found.group(2)).upper()  # PENDING, RUNNING, SUCCEEDED, FAILED or STOPPED
+
+
+def _wait_for_job(head: Head, job_id: str, env: dict) -> str:
+    """Poll ``rayfactory status`` until the job has ended; its last status."""
+    deadline = time.time() + JOB_TIMEOUT_S
+    while time.time() < deadline:
+        status = _job_status(head, job_id, env)
+        if status in ("SUCCEEDED", "FAILED", "STOPPED"):
+            return status
+        time.sleep(3)
+    raise AssertionError(f"job {job_id} still {status} after {JOB_TIMEOUT_S}s")
 
 
 def _write_config(tmp_path, config: dict) -> str:
@@ -182,22 +202,37 @@ def test_submit_without_token_is_refused_with_a_clear_error(token_head, home, tm
     assert "requires a token" in result.stderr and "RAY_AUTH_MODE=disabled" in result.stderr
     assert not os.path.exists(tmp_path / "out")  # nothing ran
 
+    # The job commands go through the same runner: the same paragraph, under their own name.
+    status = _cli("status", "no-such-job", "--address", token_head.dashboard_url, env=_clean_env(HOME=home))
+    assert status.returncode == 2, status.stdout + status.stderr
+    assert "Missing authentication token" in status.stdout
+    assert "rayfactory status: error: the Ray cluster at" in status.stderr and "requires a token" in status.stderr
+
 
 def test_submitted_sft_job_succeeds_and_writes_outputs(token_head, home, tmp_path, sft_config):
+    """`rayfactory submit --no-wait`, then `rayfactory status` until it ends, then `rayfactory logs`:
+    the commands a user follows a job with, all through token auth."""
     # dataset_dir stays relative: the job resolves it in the uploaded working dir, not here.
     config = _write_config(tmp_path, sft_config(max_steps=4, dataset_dir="data"))
     job_id = f"rf-sft-{os.getpid()}-{int(time.time())}"
-    env = _clean_env(HOME=home, RAY_AUTH_TOKEN=token_head.token)  # cluster.submit turns token mode on
-    result = _run(
-        [sys.executable, "-m", "cluster.submit", config, "save_steps=2",
-         "--address", token_head.dashboard_url, "--submission-id", job_id],
-        env,
-    )
-    output = result.stdout + result.stderr
-    assert result.returncode == 0, output[-6000:]
-    assert _job_status(token_head, job_id, _clean_env(HOME=home, RAY_AUTH_MODE="token",
-                                                      RAY_AUTH_TOKEN=token_head.token)) == "succeeded"
+    env = _clean_env(HOME=home, RAY_AUTH_TOKEN=token_head.token)  # the CLI turns token mode on
+    result = _cli("submit", config, "save_steps=2", "--no-wait", "--submission-id", job_id,
+                  "--address", token_head.dashboard_url, env=env)
+    assert result.returncode == 0, (result.stdout + result.stderr)[-6000:]
+    assert job_id in result.stdout  # Ray's own "submitted successfully" lines, passed through
     assert "the job reads it from" in result.stderr  # the config lives outside the working dir
+
+    status = _wait_for_job(token_head, job_id, env)
+    logs = _cli("logs", job_id, "--address", token_head.dashboard_url, env=env)
+    assert status == "SUCCEEDED", logs.stdout[-6000:]
+    assert logs.returncode == 0, logs.stdout + logs.stderr
+    # the job's driver is `rayfactory train`: its plan and its summary, as a local run prints them
+    assert "rayfactory: stage sft, finetuning_type full, model tiny:qwen2" in logs.stdout
+    assert f"outputs     {tmp_path / 'out'}" in logs.stdout
+    listing = _cli("jobs", "--address", token_head.dashboard_url, env=env)
+    assert listing.returncode == 0 and job_id in listing.stdout, listing.stdout + listing.stderr
+    stop = _cli("stop", job_id, "--address", token_head.dashboard_url, env=env)  # an ended job stays as it was
+    assert stop.returncode == 0 and f"Job '{job_id}' succeeded" in stop.stdout, stop.stdout + stop.stderr
 
     out = tmp_path / "out"
     for name in ("model.safetensors", "config.json", "tokenizer.json", "chat_template.jinja",
