@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import os
 import shlex
+import shutil
 import subprocess
 import sys
 from typing import Iterable, Mapping, Sequence
@@ -82,6 +83,13 @@ JOB_ACTIONS = {
 
 class SubmitError(ValueError):
     """A mistake in the submit options; the message is the paragraph printed to the user."""
+
+UNREACHABLE_HELP = (
+    "no Ray job server answers at {address}. --address (or RAY_API_SERVER_ADDRESS) must be the head "
+    "node's dashboard URL, http://HEAD:8265 by default, not the GCS address HEAD:6379; check that the head "
+    "is up (`ray status` on it) and that this machine can reach that port (or forward it: "
+    "`ssh -L 8265:localhost:8265 HEAD`, `kubectl port-forward svc/<cluster>-head-svc 8265:8265`)."
+)
 
 
 def build_submit_command(
@@ -286,19 +294,37 @@ def run_job(args: argparse.Namespace) -> int:
     return _run(command, args.address, f"rayfactory {args.job_action}")
 
 
+def ray_executable() -> str | None:
+    """Ray's CLI: the one installed beside this Python (``.venv/bin/rayfactory`` runs without the
+    venv on PATH), else the one on PATH, else None."""
+    beside = os.path.join(os.path.dirname(sys.executable), "ray")
+    return beside if os.access(beside, os.X_OK) else shutil.which("ray")
+
+
 def _run(command: list[str], address: str, prog: str = "rayfactory submit") -> int:
     """Run a ``ray job ...`` command with token auth, streaming its output; explain the one failure
     every new user meets (exit status 2), else return ray's exit status."""
+    ray_cli = ray_executable()
+    if ray_cli is None:
+        print(f"{prog}: error: Ray's command-line tool `ray` was found neither next to this Python "
+              f"({os.path.dirname(sys.executable)}) nor on PATH. Install Ray into this environment "
+              "(`pip install -e .` in the checkout installs it) or put its bin folder on PATH.", file=sys.stderr)
+        return USER_ERROR_EXIT
+    command = [ray_cli, *command[1:]] if command[0] == "ray" else command
     process = subprocess.Popen(command, env=submission_env(), stdout=subprocess.PIPE,
                                stderr=subprocess.STDOUT, text=True, bufsize=1)
-    auth_failed = False
+    auth_failed = unreachable = False
     assert process.stdout is not None
     for line in process.stdout:
         sys.stdout.write(line)
         auth_failed = auth_failed or "Missing authentication token" in line
+        unreachable = unreachable or "Failed to connect to Ray at address" in line
     code = process.wait()
     if code != 0 and auth_failed:
         print(f"{prog}: error: {AUTH_HELP.format(address=address)}", file=sys.stderr)
+        return USER_ERROR_EXIT
+    if code != 0 and unreachable:
+        print(f"{prog}: error: {UNREACHABLE_HELP.format(address=address)}", file=sys.stderr)
         return USER_ERROR_EXIT
     return code
 

@@ -195,3 +195,21 @@ def test_rayjob_workers_have_the_gpus_and_every_pod_the_shared_volume(rayjob, mo
     assert all(paths == {shared} for paths in mounts.values()), mounts  # the same path on every pod
     for path in (config.training.output_dir, config.ray.ray_storage_path):
         assert path.startswith(shared + "/"), path
+
+
+def test_rays_cli_is_found_beside_this_python_without_path(monkeypatch):
+    from cluster.submit import ray_executable
+
+    monkeypatch.setenv("PATH", "/nonexistent")  # `.venv/bin/rayfactory` run without activating the venv
+    assert ray_executable() == os.path.join(os.path.dirname(sys.executable), "ray")
+
+
+def test_a_job_command_against_no_head_ends_with_one_paragraph(capsys):
+    import socket
+
+    with socket.socket() as s:  # a port nothing listens on
+        s.bind(("127.0.0.1", 0))
+        address = f"http://127.0.0.1:{s.getsockname()[1]}"
+    assert main(["status", "job-1", "--address", address]) == 2
+    error = capsys.readouterr().err.strip().splitlines()[-1]
+    assert error.startswith(f"rayfactory status: error: no Ray job server answers at {address}. --address")
