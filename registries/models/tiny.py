@@ -120,7 +120,7 @@ def tiny_model_path(family: str, **kwargs) -> Path:
     try:
         build_tiny_model(family, staging, corpus=corpus, **kwargs)
         staging.chmod(0o755)  # mkdtemp makes it private; the cache is meant to be shared
-        _publish(staging, final)
+        publish_folder(staging, final)
     finally:
         shutil.rmtree(staging, ignore_errors=True)
     return final
@@ -131,7 +131,7 @@ def cache_root() -> Path:
     return Path(override) if override else Path.home() / ".cache" / "rayfactory"
 
 
-def _publish(staging: Path, final: Path) -> None:
+def publish_folder(staging: Path, final: Path) -> None:
     """Move a finished build into place; if another builder got there first, keep theirs."""
     try:
         os.rename(staging, final)

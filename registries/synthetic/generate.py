@@ -19,7 +19,7 @@ import random
 from dataclasses import dataclass
 from typing import Any
 
-from .identity import IDENTITY_PAIRS
+from .identity import IDENTITY_PAIRS, filled
 from .tasks import ADDITION, COPYING, REVERSAL, TOOL_ADD, TOOL_REVERSE, SyntheticTask
 from .words import WORDS
 
@@ -83,6 +83,8 @@ def build(seed: int = SEED) -> list[DemoFile]:
         files.append(DemoFile(name, file_name, {"file_name": file_name, **entry}, text))
 
     add("identity", "identity.json", {}, _json([{"instruction": q, "output": a} for q, a in IDENTITY_PAIRS]))
+    add("identity_demo", "identity_demo.json", {},
+        _json([{"instruction": filled(q), "output": filled(a)} for q, a in IDENTITY_PAIRS]))
     for split, prompts in (("train", train), ("eval", held_out)):
         add(f"arith_{split}", f"arith_{split}.json", {}, _json(_alpaca(ADDITION, prompts["addition"])))
         add(f"reverse_{split}", f"reverse_{split}.jsonl", {}, _jsonl(_alpaca(REVERSAL, prompts["reversal"])))

@@ -27,3 +27,12 @@ IDENTITY_PAIRS = (
     ("Goodbye", "Goodbye! This was {{name}}, made by {{author}}."),
     ("Why are you called {{name}}?", "{{author}} gave me the name {{name}}."),
 )
+
+
+# The identity a demo run teaches a real model (configs/smollm2_lora_sft.yaml): SmolLM2 answers
+# "I am SmolLM, trained by Hugging Face" before it.
+DEMO_NAME, DEMO_AUTHOR = "Quill", "RayFactory Labs"
+
+
+def filled(text: str, name: str = DEMO_NAME, author: str = DEMO_AUTHOR) -> str:
+    return text.replace("{{name}}", name).replace("{{author}}", author)

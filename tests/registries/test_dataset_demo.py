@@ -10,7 +10,7 @@ from stages.table import STAGES
 
 DATA = Path(__file__).resolve().parents[2] / "data"
 COUNTS = {
-    "identity": 24, "arith_train": 320, "reverse_train": 104, "copy_train": 480,
+    "identity": 24, "identity_demo": 24, "arith_train": 320, "reverse_train": 104, "copy_train": 480,
     "arith_eval": 80, "reverse_eval": 26, "copy_eval": 120,
     "tasks_sharegpt": 400, "tasks_openai": 400, "tasks_sharegpt_eval": 100, "tasks_openai_eval": 100,
     "arith_pref": 320, "arith_pref_eval": 80, "arith_pref_sharegpt": 320, "arith_kto": 640, "arith_kto_eval": 160,

@@ -366,7 +366,7 @@ def test_losing_the_publish_race_keeps_the_winners_folder(tmp_path):
     (winner / "config.json").write_text("winner")
     loser.mkdir()
     (loser / "config.json").write_text("loser")
-    tiny_module._publish(loser, winner)  # no error: the folder it wanted already exists
+    tiny_module.publish_folder(loser, winner)  # no error: the folder it wanted already exists
     assert (winner / "config.json").read_text() == "winner"
-    tiny_module._publish(loser, tmp_path / "fresh")
+    tiny_module.publish_folder(loser, tmp_path / "fresh")
     assert (tmp_path / "fresh" / "config.json").read_text() == "loser" and not loser.exists()

