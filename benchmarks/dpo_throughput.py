@@ -11,6 +11,8 @@ Cases, one Ray Train worker with 1 CPU each, on the addition preference pairs (a
 * ``20m-full-sigmoid`` / ``20m-lora-sigmoid`` / ``20m-full-simpo``: a ~20M-parameter Qwen2-style
   model (as in train_throughput.py): full DPO (policy + reference copy), LoRA DPO (one model),
   and SimPO (no reference at all), so the reference's cost in time and memory shows.
+* ``smollm2-lora-sigmoid``: the real SmolLM2-135M-Instruct (``demo:smollm2-135m-instruct``),
+  LoRA r8 DPO, 16 pairs per step: what a user of a real small model sees.
 
 Each case runs in a fresh child process with its own local Ray; memory is that whole process
 tree's peak (see harness.py). Figures, not asserts: on a shared machine they vary.
@@ -30,8 +32,9 @@ CASES = {
     "20m-full-sigmoid": ("20m", "full", "sigmoid"),
     "20m-lora-sigmoid": ("20m", "lora", "sigmoid"),
     "20m-full-simpo": ("20m", "full", "simpo"),
+    "smollm2-lora-sigmoid": ("smollm2", "lora", "sigmoid"),
 }
-DEFAULT_STEPS = {"tiny": 60, "20m": 20}
+DEFAULT_STEPS = {"tiny": 60, "20m": 20, "smollm2": 10}
 PAIRS_PER_STEP = 16  # per_device_train_batch_size of configs/dpo_lora.yaml, 1 worker
 COLUMNS = [
     ("case", "case", "{}"), ("params", "params_m", "{:.1f}M"), ("steps", "steps", "{}"),
@@ -50,6 +53,10 @@ def case_config(name: str, steps: int, model_path: str | None, out_dir: str) -> 
         config.update(pref_beta=2.0, simpo_gamma=0.5)
     if finetuning_type == "full":
         make_full_finetuning(config)
+    if model == "smollm2":  # the real model: LoRA alone, at its example's rank and learning rate
+        config.update(model_name_or_path="demo:smollm2-135m-instruct", template="smollm2", lora_rank=8,
+                      learning_rate=1.0e-3)
+        config.pop("additional_target", None)
     if model == "20m":
         config.update(model_name_or_path=model_path, learning_rate=1.0e-3)
         if finetuning_type == "lora":

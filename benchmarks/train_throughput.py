@@ -5,7 +5,9 @@
 
 Cases: the quickstart run (tiny Qwen2-style model, ~0.2M params, LoRA as in
 configs/quickstart.yaml) and a ~20M-parameter Qwen2-style model (hidden 512, 6 layers, full
-fine-tuning), each on 1 and 2 Ray Train workers with 1 CPU each, on the addition task.
+fine-tuning), each on 1 and 2 Ray Train workers with 1 CPU each, on the addition task; and the
+real SmolLM2-135M-Instruct (configs/smollm2_lora_sft.yaml: LoRA r8 on every linear layer) on
+tasks_sharegpt (multi-turn rows, cutoff_len 128), on 1 and 2 workers.
 
 Each case runs in a fresh child process that starts its own local Ray, so the memory figure
 covers exactly that run: the driver plus every process of its Ray (GCS, raylet, Ray Data and
@@ -25,8 +27,10 @@ CASES = {
     "quickstart-2w": ("quickstart", 2),
     "20m-1w": ("20m", 1),
     "20m-2w": ("20m", 2),
+    "smollm2-1w": ("smollm2", 1),
+    "smollm2-2w": ("smollm2", 2),
 }
-DEFAULT_STEPS = {"quickstart": 60, "20m": 30}
+DEFAULT_STEPS = {"quickstart": 60, "20m": 30, "smollm2": 20}
 COLUMNS = [
     ("case", "case", "{}"), ("params", "params_m", "{:.1f}M"), ("workers", "workers", "{}"),
     ("steps", "steps", "{}"), ("train tokens/s", "tokens_per_s", "{:,.0f}"), ("steps/s", "steps_per_s", "{:.2f}"),
@@ -38,6 +42,9 @@ COLUMNS = [
 
 
 def case_config(model: str, workers: int, steps: int, model_path: str | None, out_dir: str) -> dict:
+    if model == "smollm2":  # the real model's example, on multi-turn data of varied length
+        return timed_config("smollm2_lora_sft.yaml", out_dir, steps, ray_num_workers=workers,
+                            dataset="tasks_sharegpt", cutoff_len=128)
     config = timed_config("quickstart.yaml", out_dir, steps, ray_num_workers=workers)
     if model == "20m":
         make_full_finetuning(config)

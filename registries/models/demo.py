@@ -24,6 +24,7 @@ from pathlib import Path
 
 from registries.errors import UserError
 
+from ..unique import add_unique
 from .tiny import cache_root, publish_folder
 
 DEMO_PREFIX = "demo:"
@@ -48,9 +49,7 @@ _DEMO_MODELS: dict[str, DemoModel] = {}
 
 
 def register_demo_model(model: DemoModel) -> None:
-    if model.name in _DEMO_MODELS:
-        raise ValueError(f"demo model {model.name!r} is already registered")
-    _DEMO_MODELS[model.name] = model
+    add_unique(_DEMO_MODELS, model.name, model, "Demo model")
 
 
 def list_demo_models() -> list[str]:
