@@ -139,7 +139,8 @@ def test_dpo_on_single_answer_data_fails_before_ray_starts(tmp_path):
         (
             {"model_name_or_path": "./models/my-model"},
             "model_name_or_path './models/my-model' does not exist (looked for {tmp}/models/my-model). "
-            "Point it at a model folder, use a hub id such as Qwen/Qwen2.5-0.5B-Instruct, or tiny:qwen2",
+            "Point it at a model folder, use a hub id such as Qwen/Qwen2.5-0.5B-Instruct, tiny:qwen2 for a tiny test "
+            "model, or demo:smollm2-135m-instruct for a real small one.",
         ),
         (
             {"model_name_or_path": "/nonexistent/models/my-model"},
