@@ -37,13 +37,13 @@ _PROBE_BYTES = 4096
 _DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 _ADAPTER_BYTES = 4  # peft keeps LoRA weights in float32 (autocast_adapter_dtype) whatever the base's dtype
 
+_NOT_PERMITTED = ("This user may not write there: point {key} at a folder you can write to, or grant write "
+                  "permission on it.")
 _FIXES = {
     errno.EROFS: "Its filesystem is mounted read-only: point {key} at a folder on a writable filesystem, or "
                  "remount that one read-write.",
-    errno.EACCES: "This user may not write there: point {key} at a folder you can write to, or grant write "
-                  "permission on it.",
-    errno.EPERM: "This user may not write there: point {key} at a folder you can write to, or grant write "
-                 "permission on it.",
+    errno.EACCES: _NOT_PERMITTED,
+    errno.EPERM: _NOT_PERMITTED,
     errno.ENOSPC: "Its filesystem is full: free space there, or point {key} at a filesystem with room for the "
                   "run's checkpoints.",
     errno.EDQUOT: "Your disk quota there is used up: free space within the quota, or point {key} at another "

@@ -102,7 +102,6 @@ def build_submit_command(
     no_wait: bool = False,
     pip: Sequence[str] = (),
     image: str | None = None,
-    ray_executable: str = "ray",
     python: str = "python",
 ) -> list[str]:
     """The argv of ``ray job submit`` that trains ``config_path`` on the cluster at ``address``.
@@ -118,7 +117,7 @@ def build_submit_command(
     if image and working_dir:
         raise SubmitError(IMAGE_WITH_WORKING_DIR)
     working_dir = os.path.abspath(working_dir or REPO_ROOT)
-    command = [ray_executable, "job", "submit", "--address", address or DEFAULT_DASHBOARD]
+    command = ["ray", "job", "submit", "--address", address or DEFAULT_DASHBOARD]
     if not image:  # Ray refuses a working_dir next to image_uri
         command += ["--working-dir", working_dir]
     command += ["--runtime-env-json", json.dumps(runtime_env(pip, image))]
@@ -147,12 +146,12 @@ def runtime_env(pip: Sequence[str] = (), image: str | None = None) -> dict:
 
 
 def build_job_command(action: str, job_id: str | None = None, *, address: str | None = None,
-                      follow: bool = False, ray_executable: str = "ray") -> list[str]:
+                      follow: bool = False) -> list[str]:
     """The argv of ``ray job status|logs|stop JOB_ID`` (or ``ray job list``) for the dashboard at ``address``."""
     if action not in JOB_ACTIONS:
         raise ValueError(f"action must be one of {sorted(JOB_ACTIONS)}, got {action!r}")
     ray_action = "list" if action == "jobs" else action
-    command = [ray_executable, "job", ray_action, "--address", address or DEFAULT_DASHBOARD]
+    command = ["ray", "job", ray_action, "--address", address or DEFAULT_DASHBOARD]
     if follow:
         command.append("--follow")
     if action != "jobs":
@@ -310,7 +309,7 @@ def _run(command: list[str], address: str, prog: str = "rayfactory submit") -> i
               f"({os.path.dirname(sys.executable)}) nor on PATH. Install Ray into this environment "
               "(`pip install -e .` in the checkout installs it) or put its bin folder on PATH.", file=sys.stderr)
         return USER_ERROR_EXIT
-    command = [ray_cli, *command[1:]] if command[0] == "ray" else command
+    command = [ray_cli, *command[1:]]  # built as "ray ..." (what --dry-run shows), run with the one found
     process = subprocess.Popen(command, env=submission_env(), stdout=subprocess.PIPE,
                                stderr=subprocess.STDOUT, text=True, bufsize=1)
     auth_failed = unreachable = False
