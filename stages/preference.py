@@ -26,13 +26,20 @@ Public API (stable; stages/kto.py imports it):
   (rows with chosen_/rejected_ input_ids, attention_mask, labels, as registries.tokenize.pairwise
   writes them), the fraction where the model's summed log-prob of the chosen response is strictly
   higher than of the rejected one. This is the held-out check that a preference run learned.
+* ``adapter_preference_report(model, pairs, pad_token_id, beta) -> dict``: the same pairs judged
+  for a LoRA policy (a PeftModel) against its own base, the adapter off: both models' accuracy and
+  mean log-prob margin, and the accuracy and mean of the implied reward DPO and KTO optimise.
+  ``judge_adapter(output_dir, dataset, dataset_dir, beta)`` does it for a saved LoRA run's output
+  on a ranking dataset: base, tokenizer and template come from what the run saved.
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
+import json
 import logging
+import os
 from collections import defaultdict
 from dataclasses import dataclass
 from typing import Any, Literal, Sequence
@@ -248,12 +255,55 @@ def preference_accuracy(model, pairs: Sequence[dict] | Any, pad_token_id: int, b
     return float((chosen > rejected).float().mean())
 
 
+def adapter_preference_report(model, pairs, pad_token_id: int, beta: float | None = None) -> dict[str, float]:
+    """``base_*`` (adapter off) and ``trained_*`` accuracy and mean margin (chosen - rejected
+    log-prob, nats) of a PeftModel on tokenized pairs; with ``beta``, ``reward_accuracy`` and
+    ``reward_margin`` of the implied reward beta * log(policy / base), chosen minus rejected."""
+    policy_c, policy_r = pairwise_logps(model, pairs, pad_token_id)
+    with model.disable_adapter():
+        base_c, base_r = pairwise_logps(model, pairs, pad_token_id)
+    report = {
+        "base_accuracy": float((base_c > base_r).float().mean()), "base_margin": float((base_c - base_r).mean()),
+        "trained_accuracy": float((policy_c > policy_r).float().mean()),
+        "trained_margin": float((policy_c - policy_r).mean()),
+    }
+    if beta is not None:
+        reward_margin = beta * ((policy_c - base_c) - (policy_r - base_r))
+        report.update(reward_accuracy=float((reward_margin > 0).float().mean()), reward_margin=float(reward_margin.mean()))
+    return report
+
+
+def judge_adapter(
+    output_dir: str, dataset: str, dataset_dir: str, beta: float | None = None, cutoff_len: int = 1024
+) -> dict[str, float]:
+    """``adapter_preference_report`` of a saved LoRA policy on a ranking dataset (e.g. held-out pairs)."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    from registries.datasets import DataArguments
+
+    from .args import ModelArguments
+    from .loading import load_tokenizer_and_template
+    from .table import STAGES
+
+    # template None: detected from the chat template the run saved with its output.
+    tokenizer, template = load_tokenizer_and_template(ModelArguments(model_name_or_path=output_dir), DataArguments())
+    with open(os.path.join(output_dir, "adapter_config.json"), encoding="utf-8") as f:
+        base = AutoModelForCausalLM.from_pretrained(json.load(f)["base_model_name_or_path"])
+    model = PeftModel.from_pretrained(base, output_dir)
+    data_args = DataArguments(dataset=dataset, dataset_dir=dataset_dir, cutoff_len=cutoff_len)
+    pairs = STAGES["dpo"].tokenize_here(tokenizer, template, data_args)
+    return adapter_preference_report(model, pairs, tokenizer.pad_token_id, beta)
+
+
 __all__ = [
+    "adapter_preference_report",
     "BatchMetricsMixin",
     "Reference",
     "build_reference",
     "disable_dropout",
     "forward_logps",
+    "judge_adapter",
     "pairwise_logps",
     "preference_accuracy",
     "sequence_logps",

@@ -71,6 +71,17 @@ class StageSpec:
         packing = self.tokenize in PACKABLE and resolve_packing(data_args, self.pack_by_default)
         return get_preprocess_fn(self.tokenize, tokenizer, template, data_args, packing)
 
+    def tokenize_here(self, tokenizer, template, data_args) -> list[dict]:
+        """``data_args.dataset`` aligned and tokenized as this stage does it, in this process, without
+        Ray (evaluations and small tools): one dict of columns per example."""
+        from registries.datasets import load_aligned
+
+        rows = load_aligned(data_args, self.name, self.dataset_need).train
+        if not rows:
+            return []
+        columns = self.preprocess_fn(tokenizer, template, data_args)({k: [r[k] for r in rows] for k in rows[0]})
+        return [dict(zip(columns, values)) for values in zip(*columns.values())]
+
     def load_runner(self) -> Callable:
         return _load(self.runner)
 

@@ -68,11 +68,8 @@ def example_config(name: str, tmp_path, **overrides) -> dict:
 
 def tokenized_pairs(dataset: str, stage: str, tokenizer, template, dataset_dir: str = DATA_DIR) -> list[dict]:
     """A preference dataset tokenized as `stage` (dpo or rm) does it: rows of chosen_* / rejected_* columns."""
-    from registries.datasets import DataArguments, load_aligned
+    from registries.datasets import DataArguments
     from stages.table import STAGES
 
-    spec = STAGES[stage]
     data_args = DataArguments(dataset=dataset, dataset_dir=dataset_dir, cutoff_len=64, template="qwen")
-    rows = load_aligned(data_args, stage, spec.dataset_need).train
-    columns = spec.preprocess_fn(tokenizer, template, data_args)({k: [r[k] for r in rows] for k in rows[0]})
-    return [dict(zip(columns, values)) for values in zip(*columns.values())]
+    return STAGES[stage].tokenize_here(tokenizer, template, data_args)

@@ -71,8 +71,10 @@ def census(path) -> dict:
         return json.load(f)
 
 
-# ------------------------------------------------------------------------------ learning, each loss
+# ------------------------------------------------------------------------------ learning, each loss (pipeline)
 
+# A pipeline test, not evidence that a preference loss alone learns: that evidence is on a real
+# model (tests/e2e/test_demo_preferences.py, benchmarks/preference_learning.py, pref_ftx 0).
 # Full fine-tuning (LoRA on this random-init base learns little). On arith_pref alone no preference
 # loss generalises to unseen sums within 1000 steps (measured: sigmoid 0.44, simpo 0.45 held-out
 # while memorising the training pairs), so the runs add the SFT term on chosen (pref_ftx 1; orpo
@@ -100,7 +102,7 @@ def base_accuracy():
 
 @pytest.mark.slow
 @pytest.mark.parametrize("pref_loss", list(LEARNING))
-def test_each_pref_loss_learns_held_out_preferences(ray_session, tmp_path, base_accuracy, pref_loss):
+def test_pipeline_each_pref_loss_with_an_sft_term_learns_on_a_random_init_model(ray_session, tmp_path, base_accuracy, pref_loss):
     census_path = str(tmp_path / "census.json")
     example = {"orpo": "orpo_lora.yaml", "simpo": "simpo_lora.yaml"}.get(pref_loss, "dpo_lora.yaml")
     config = example_config(

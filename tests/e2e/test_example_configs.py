@@ -106,6 +106,12 @@ TRAINED_ELSEWHERE = {
     "grpo_lora.yaml": "test_grpo.py",
     "ppo_lora.yaml": "test_ppo.py",
     "smollm2_lora_sft.yaml": "test_demo_model.py",
+    # The real model takes ~3 s a step here: its dpo example trains 8 steps in the default suite, the
+    # others (and that one again, whole) in that file's slow tests, each a few minutes.
+    "smollm2_lora_dpo.yaml": "test_demo_preferences.py",
+    "smollm2_lora_kto.yaml": "test_demo_preferences.py",
+    "smollm2_lora_orpo.yaml": "test_demo_preferences.py",
+    "smollm2_lora_rm.yaml": "test_demo_preferences.py",
 }
 # Run one after another: on 2 cores, three runs at once in threads took as long (183 s vs 175 s)
 # and a failure would no longer name its config.

@@ -18,7 +18,9 @@ import torch
 from registries.tokenize import IGNORE_INDEX
 from stages.args import FinetuningArguments, ModelArguments
 from stages.dpo import preference_loss
-from stages.preference import Reference, build_reference, preference_accuracy, sequence_logps
+from stages.preference import (
+    Reference, adapter_preference_report, build_reference, pairwise_logps, preference_accuracy, sequence_logps,
+)
 from stages.rm import pairwise_reward_loss
 from stages.value_head import ValueHeadModel, last_token_index
 
@@ -246,6 +248,31 @@ def test_preference_accuracy_counts_strict_wins(tiny):
     same = {f"{side}_{col}": v for side in ("chosen", "rejected") for col, v in
             (("input_ids", ids), ("attention_mask", [1] * len(ids)), ("labels", [IGNORE_INDEX] * 3 + ids[3:]))}
     assert preference_accuracy(model, [same, same], tokenizer.pad_token_id) == 0.0  # a tie is not a win
+
+
+def test_adapter_report_compares_the_policy_with_its_own_base(tiny):
+    """A fresh adapter (lora_B = 0) is its base: equal figures and an implied reward of exactly 0,
+    which is no win. A perturbed adapter: base figures unchanged, reward = beta x log-ratio gap."""
+    from registries.templates import get_template
+    from tests.e2e.conftest import tokenized_pairs
+
+    model_args, tokenizer = tiny
+    pairs = tokenized_pairs("arith_pref_eval", "dpo", tokenizer, get_template("qwen"))[:6]
+    policy = load_policy(model_args, tokenizer, tuning(finetuning_type="lora", lora_rank=4))
+    fresh = adapter_preference_report(policy, pairs, tokenizer.pad_token_id, beta=0.1)
+    assert fresh["trained_accuracy"] == fresh["base_accuracy"] and fresh["trained_margin"] == fresh["base_margin"]
+    assert fresh["reward_accuracy"] == 0.0 and fresh["reward_margin"] == 0.0
+
+    torch.manual_seed(0)
+    for name, param in policy.named_parameters():
+        if "lora_B" in name:
+            torch.nn.init.normal_(param, std=0.5)
+    report = adapter_preference_report(policy, pairs, tokenizer.pad_token_id, beta=0.1)
+    assert report["base_accuracy"] == fresh["base_accuracy"] and report["base_margin"] == pytest.approx(fresh["base_margin"])
+    policy_c, policy_r = pairwise_logps(policy, pairs, tokenizer.pad_token_id)
+    assert report["trained_margin"] == pytest.approx(float((policy_c - policy_r).mean()), rel=1e-5)
+    assert report["reward_margin"] == pytest.approx(0.1 * (report["trained_margin"] - report["base_margin"]), rel=1e-4)
+    assert "reward_accuracy" not in adapter_preference_report(policy, pairs, tokenizer.pad_token_id)
 
 
 def test_value_head_scores_the_last_real_token_whatever_the_padding(tiny):
