@@ -322,7 +322,7 @@ _META = "rayfactory_tokenized.json"
 
 # DataArguments that do not change a single tokenized row; every other one is in the fingerprint,
 # so a new data option is covered without anyone remembering to list it here.
-_ROW_NEUTRAL = ("tokenized_path", "overwrite_cache")
+_ROW_NEUTRAL = ("tokenized_path", "overwrite_cache", "padding_free")  # padding_free lays out batches, not rows
 
 
 def _fingerprint(data_args: DataArguments, stage: StageSpec, seed: int, tokenizer, template) -> dict:

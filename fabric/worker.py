@@ -47,6 +47,8 @@ def train_loop(config: dict) -> None:
     evaluation = shard_to_hf_dataset("eval") if payload.has_eval else None
     if spec.training.values.get("deepspeed"):
         _join_deepspeed_comm(payload.use_cpu)
+    elif ray.train.get_context().get_world_size() == 1:
+        _train_as_one_process()
     training_args = spec.training_arguments(use_cpu=payload.use_cpu)
     set_seed(training_args.seed)  # the stage builds the model (LoRA init) before the Trainer seeds
     job = StageJob(
@@ -167,6 +169,17 @@ def _join_deepspeed_comm(use_cpu: bool) -> None:
     import deepspeed.comm
 
     deepspeed.comm.init_distributed(dist_backend="gloo" if use_cpu else "nccl", auto_mpi_discovery=False)
+
+
+def _train_as_one_process() -> None:
+    """A lone worker trains its model unwrapped. Ray Train sets LOCAL_RANK in every worker, and
+    accelerate then wraps even a world of one in DistributedDataParallel: an all-reduce with
+    nobody after every backward, and for full fine-tuning (find_unused_parameters) another walk
+    of the autograd graph each step. Without the rank variables the Trainer sees one plain
+    process; Ray Train's process group stays (the checkpoint barrier is a no-op for one rank).
+    DeepSpeed keeps them: it reads its rank from there."""
+    for name in ("LOCAL_RANK", "RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE"):
+        os.environ.pop(name, None)
 
 
 def _limit_threads() -> None:

@@ -162,13 +162,95 @@ class NeatPackingCollator(PaddingCollator):
         return batch
 
 
+@dataclass
+class PaddingFreeCollator(PaddingCollator):
+    """pt/sft without padding: the batch's examples laid end to end, each with position ids that
+    restart at 0 and no attention mask. transformers reads restarting positions as packed
+    sequences (masking_utils builds a block-diagonal causal mask; flash kernels run per example),
+    so an example sees only itself and the loss and gradient equal the padded batch's, while the
+    model spends no compute on pad tokens.
+
+    Each example's first label becomes IGNORE_INDEX: the causal LM loss shifts labels left, so
+    that position is what the previous example's last token would predict. In a padded batch that
+    label is never predicted either, so the set of trained tokens is the same.
+
+    Examples go first-fit into rows of at most ``row_width`` tokens (None: the batch's longest
+    example, the padded batch's width). sdpa and eager attention over a row cost its length
+    squared, so rows that wide never cost more than padding while dropping most pads (a 7M Llama
+    on CPU, 8 examples of 60-256 tokens: 0.9 s a step padded, 0.7 s in rows, 0.85 s in one row).
+    Flash kernels run each example on its own: ``one_row`` lays the whole batch in a single row.
+    """
+
+    row_width: int | None = None
+    one_row: bool = False
+    needs_no_cache = True  # the trainer must run with use_cache off (StageJob.build_trainer)
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.padding_side != "right":
+            raise ValueError("Padding-free batches are for training; they lay examples out left to right.")
+
+    def __call__(self, features) -> dict[str, torch.Tensor]:
+        columns = to_columns(features)
+        ids = [list(map(int, row)) for row in columns["input_ids"]]
+        labels = [list(map(int, row)) for row in columns.get("labels", columns["input_ids"])]
+        longest = max(map(len, ids))
+        width = sum(map(len, ids)) if self.one_row else max(self.row_width or longest, longest)
+        rows: list[dict[str, list[int]]] = []
+        for index in _first_fit([len(row) for row in ids], width):
+            row = {"input_ids": [], "labels": [], "position_ids": []}
+            for i in index:
+                row["input_ids"] += ids[i]
+                row["labels"] += [IGNORE_INDEX] + labels[i][1:]
+                row["position_ids"] += list(range(len(ids[i])))
+            rows.append(row)
+        batch = self.collate_columns({key: [row[key] for row in rows] for key in rows[0]})
+        # Pads after the last example: positions 0.. of their own, so they form one more block
+        # (never attended to by a real token, and their labels are ignored).
+        lengths = torch.as_tensor([len(row["input_ids"]) for row in rows])
+        tail = torch.arange(batch["input_ids"].shape[1]) - lengths[:, None]
+        batch["position_ids"] = torch.where(tail >= 0, tail, batch["position_ids"])
+        return batch
+
+
+def _first_fit(lengths: list[int], width: int) -> list[list[int]]:
+    """Example indices grouped into rows of at most ``width`` tokens, longest first (first-fit
+    decreasing); each row keeps its examples in batch order."""
+    rows: list[list[int]] = []
+    room: list[int] = []
+    for i in sorted(range(len(lengths)), key=lambda i: -lengths[i]):
+        slot = next((r for r, free in enumerate(room) if free >= lengths[i]), None)
+        if slot is None:
+            rows.append([])
+            room.append(width)
+            slot = len(rows) - 1
+        rows[slot].append(i)
+        room[slot] -= lengths[i]
+    return [sorted(row) for row in rows]
+
+
+def supports_padding_free(model) -> bool:
+    """Whether ``model`` isolates examples given restarting position ids and no mask: flash
+    kernels do; sdpa, eager and flex attention do in models whose masks come from
+    transformers' masking_utils (create_causal_mask), which detects the restarts."""
+    import sys
+
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    attn = str(getattr(getattr(base, "config", None), "_attn_implementation", "") or "")
+    if attn.startswith("flash"):
+        return True
+    module = sys.modules.get(type(base).__module__)
+    return attn in ("sdpa", "eager", "flex_attention") and hasattr(module, "create_causal_mask")
+
+
 # Collator factories, one per tokenization kind; the stage table names them.
 # Each takes (tokenizer, data_args, model=None, pad_to_multiple_of=None).
 
 
 def padding_collator(tokenizer, data_args, model=None, pad_to_multiple_of: int | None = None):
-    """pt: rows padded on the right."""
-    return PaddingCollator.from_tokenizer(tokenizer, "right", pad_to_multiple_of=pad_to_multiple_of)
+    """pt: rows padded on the right, or laid end to end (padding_free, see ``causal_lm_collator``)."""
+    packed = getattr(data_args, "packing", None) is not False  # pt packs unless told not to
+    return causal_lm_collator(tokenizer, data_args, model, pad_to_multiple_of, packed)
 
 
 def supervised_collator(tokenizer, data_args, model=None, pad_to_multiple_of: int | None = None):
@@ -181,6 +263,25 @@ def supervised_collator(tokenizer, data_args, model=None, pad_to_multiple_of: in
             tokenizer, "right", dtype=dtype, four_d_mask=not attn.startswith("flash"),
             pad_to_multiple_of=pad_to_multiple_of,
         )
+    return causal_lm_collator(tokenizer, data_args, model, pad_to_multiple_of, bool(getattr(data_args, "packing", False)))
+
+
+def causal_lm_collator(tokenizer, data_args, model, pad_to_multiple_of: int | None, packed: bool):
+    """pt/sft batches: padding-free when ``padding_free`` allows it (null: whenever the model
+    supports it and rows are not packed already: packed rows are full, and one row of them all
+    would only make attention dearer), else padded on the right."""
+    wanted = getattr(data_args, "padding_free", None)
+    supported = model is not None and supports_padding_free(model)
+    if wanted and not supported:
+        attn = getattr(getattr(model, "config", None), "_attn_implementation", None)
+        raise ValueError(
+            f"padding_free is true, but this model ({type(model).__name__}, attention {attn!r}) does not keep "
+            "examples apart when they share a row without a mask (that needs flash attention, or sdpa/eager "
+            "in a model built on transformers' masking_utils). Set padding_free: false (or remove it)."
+        )
+    if wanted or (wanted is None and supported and not packed):
+        attn = str(getattr(getattr(model, "config", None), "_attn_implementation", "") or "")
+        return PaddingFreeCollator.from_tokenizer(tokenizer, "right", one_row=attn.startswith("flash"))
     return PaddingCollator.from_tokenizer(tokenizer, "right", pad_to_multiple_of=pad_to_multiple_of)
 
 

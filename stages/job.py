@@ -100,12 +100,17 @@ class StageJob:
             # loss of the stages that train a PeftModel directly (LLaMA-Factory sets it likewise).
             # (rm wraps its PeftModel in a value-head model, whose unused lm_head keeps the default.)
             self.training_args.ddp_find_unused_parameters = False
+        collator = self.collator(tokenizer, model)
+        if getattr(collator, "needs_no_cache", False):
+            # A KV cache (use_cache: true) makes transformers skip the per-example masks that
+            # padding-free rows rely on; training never reads the cache anyway.
+            self.training_args.use_cache = False
         trainer = trainer_class(
             model=model,
             args=self.training_args,
             train_dataset=self.train_dataset,
             eval_dataset=self.eval_dataset,
-            data_collator=self.collator(tokenizer, model),
+            data_collator=collator,
             processing_class=tokenizer,
             # CommitCheckpoints before the fabric's callbacks: Ray's report copies a committed folder.
             callbacks=[JsonlLogCallback(self.training_args.output_dir),

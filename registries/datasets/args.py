@@ -31,6 +31,9 @@ class DataArguments:
     val_size: float = 0.0  # a fraction in (0, 1) or a row count >= 1
     packing: bool | None = None  # None: the stage decides (pt packs, the others do not)
     neat_packing: bool = False
+    # RayFactory's own: pt/sft batches laid end to end with restarting position ids instead of
+    # padded (the same gradient, no compute on pads). null: on where the model supports it.
+    padding_free: bool | None = None
     tool_format: str | None = None
     default_system: str | None = None
     enable_thinking: bool | None = True
@@ -48,7 +51,7 @@ class DataArguments:
         self.eval_dataset = _name_list("eval_dataset", self.eval_dataset)
         for name in ("train_on_prompt", "mask_history", "neat_packing", "overwrite_cache", "skip_bad_rows", "streaming"):
             _check_bool(name, getattr(self, name))
-        for name in ("packing", "enable_thinking"):
+        for name in ("packing", "enable_thinking", "padding_free"):
             if getattr(self, name) is not None:
                 _check_bool(name, getattr(self, name))
         for name in ("template", "tool_format", "default_system", "tokenized_path"):

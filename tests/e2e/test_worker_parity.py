@@ -53,6 +53,20 @@ class RecordRankIndices(TrainerCallback):
             json.dump(batches, f)
 
 
+class RecordWrapping(TrainerCallback):
+    """Writes how accelerate runs this rank: one plain process, or a DistributedDataParallel rank."""
+
+    def __init__(self, path: str):
+        self.path = path
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        from accelerate.state import PartialState
+
+        if state.is_world_process_zero:
+            with open(self.path, "w", encoding="utf-8") as f:
+                json.dump({"distributed_type": PartialState().distributed_type.name, "world_size": args.world_size}, f)
+
+
 def _seedable_sampler(dataloader):
     """accelerate's per-rank shard wraps the batch sampler that wraps the seeded random sampler."""
     inner = dataloader.batch_sampler
@@ -71,13 +85,19 @@ def two_workers(ray_session, tmp_path_factory):
     out = tmp_path_factory.mktemp("two_workers")
     config = tiny_sft_config(out / "run", ray_num_workers=2, per_device_train_batch_size=8,
                              max_steps=-1, num_train_epochs=1)
-    result = run_exp(config, callbacks=[RecordRankIndices(str(out / "indices"))])
+    result = run_exp(config, callbacks=[RecordRankIndices(str(out / "indices")), RecordWrapping(str(out / "wrap.json"))])
+    with open(out / "wrap.json", encoding="utf-8") as f:
+        assert json.load(f) == {"distributed_type": "MULTI_CPU", "world_size": 2}  # DDP: gradients all-reduced
     return result.output_dir, str(out / "indices")
 
 
 def test_two_workers_match_one_worker_on_the_same_global_batch(ray_session, tmp_path, two_workers):
     two_dir, _ = two_workers
-    one = run_exp(tiny_sft_config(tmp_path / "one", per_device_train_batch_size=16, max_steps=-1, num_train_epochs=1))
+    one = run_exp(tiny_sft_config(tmp_path / "one", per_device_train_batch_size=16, max_steps=-1, num_train_epochs=1),
+                  callbacks=[RecordWrapping(str(tmp_path / "wrap.json"))])
+    # A lone worker trains unwrapped (fabric/worker.py): no all-reduce with nobody, no unused-parameter search.
+    with open(tmp_path / "wrap.json", encoding="utf-8") as f:
+        assert json.load(f) == {"distributed_type": "NO", "world_size": 1}
     two_losses, one_losses = _losses(two_dir), _losses(one.output_dir)
 
     assert [s for s, _ in one_losses] == list(range(1, 21))  # 320 rows / 16 per step

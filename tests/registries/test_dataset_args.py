@@ -12,7 +12,7 @@ def test_defaults_match_llamafactory():
         "train_on_prompt": False, "mask_history": False, "mix_strategy": "concat", "interleave_probs": None,
         "max_samples": None, "val_size": 0.0, "packing": None, "neat_packing": False, "tool_format": None,
         "default_system": None, "enable_thinking": True, "tokenized_path": None, "overwrite_cache": False,
-        "skip_bad_rows": False, "streaming": False, "buffer_size": 16384,
+        "skip_bad_rows": False, "streaming": False, "buffer_size": 16384, "padding_free": None,
     }
 
 
