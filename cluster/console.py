@@ -41,6 +41,7 @@ class Console:
         self._bar = None
         self._metrics: dict = {}  # the latest value of each metric rank 0 logged
         self._started = time.time()
+        self._marks: list[tuple[str, float]] = []  # start-up phases: (what finished, when)
         self._undo: list = []  # what __enter__ changed, restored last change first
 
     # ------------------------------------------------------------------ what the user reads
@@ -93,6 +94,23 @@ class Console:
         for note in cfg.notes:
             self.say(f"[rayfactory] note: {note}")
 
+    def mark(self, phase: str) -> None:
+        """The driver says a start-up phase has finished (config checked, Ray up, data ready)."""
+        self._marks.append((phase, time.time()))
+
+    def startup_line(self) -> str | None:
+        """'first step 23.1 s after the start: config 1.2 s, Ray 3.0 s, ...': where the wait went.
+        The worker phases are seen through the progress relay, to within its half-second polling."""
+        marks = self._marks
+        if not any(phase == "first step" for phase, _ in marks):
+            return None
+        parts, before = [], self._started
+        for phase, at in marks:
+            parts.append(f"{phase} {at - before:.1f} s")
+            before = at
+        total = next(at for phase, at in marks if phase == "first step") - self._started
+        return f"  start-up    first step {total:.1f} s after the start: " + ", ".join(parts)
+
     def progress_sink(self):
         """Where rank 0's log records should go: the bar of an entered console (the CLI's). The
         relay costs a few seconds a run (an actor, a call per log line), which a caller of
@@ -103,7 +121,13 @@ class Console:
         """One of rank 0's Trainer log records (fabric.progress): the bar, or an eval line."""
         step = record.get("step", 0)
         self._metrics.update((k, v) for k, v in record.items() if isinstance(v, (int, float)))
+        if record.get("event") == "first_step":
+            if not any(phase == "first step" for phase, _ in self._marks):
+                self.mark("first step")
+            return
         if record.get("event") == "begin":  # also after a restart of the worker group
+            if not any(phase == "first step" for phase, _ in self._marks):
+                self.mark("workers + model")
             self._close_bar()
             from tqdm.auto import tqdm
 
@@ -134,6 +158,9 @@ class Console:
                           if k in metrics)
         self.say(f"done in {_duration(time.time() - self._started)}" + (f": {shown}" if shown else ""))
         self.say(f"  outputs     {output_dir}")
+        startup = self.startup_line()
+        if startup:
+            self.say(startup)
         plot = os.path.join(output_dir, "training_loss.png")
         if os.path.exists(plot):
             self.say(f"  loss plot   {plot}")

@@ -62,16 +62,19 @@ def run_exp(
     if do_train:  # a prediction-only run leaves the model folder's own saved config alone
         cfg.write_yaml()  # the resolved config, so the run can be repeated exactly
     console.plan(cfg)
+    console.mark("config")
     # A streamed dataset is read by Ray tasks that hold a CPU each while they read their whole file;
     # a local Ray declares one more CPU so that tokenization runs beside the reading (without it
     # the first batch waited for an 800k-line corpus to be read whole: 170 s instead of 13 s).
     resources = connect(cfg.ray, extra_cpus=_rl_role_cpus(cfg) + (1 if cfg.data.streaming else 0))
     _check_resources(cfg, resources)
+    console.mark("Ray")
     if not do_train:
         predicted = _predict(cfg, console, trained=False, template=configured_template)
         stats = {"eval_examples": predicted.rows, "predict_workers": predicted.workers}
         return RunResult(os.path.abspath(output_dir), predicted.metrics, None, stats)
     data = prepare_datasets(cfg.data, spec.stage, cfg.training.seed, tokenizer, template)
+    console.mark("data")
     if spec.stage.launch == "rl_controller":  # roles as actor groups, driven from here
         from fabric.rl_launcher import launch_rl
 

@@ -29,6 +29,10 @@ class RayArguments:
     ray_run_name: str | None = None
     ray_init_kwargs: dict[str, Any] = field(default_factory=dict)
     max_failures: int = 0  # worker-group restarts (Ray Train FailureConfig); -1 retries forever
+    # torch threads in each CPU train worker. None: a lone worker (ray_num_workers: 1, not
+    # streaming) uses every CPU Ray has on its node; several workers use their CPU share each
+    # (resources_per_worker's CPU, Ray's own rule). fabric/worker.py says why.
+    ray_threads_per_worker: int | None = None
     # Logical CPUs for a local ray.init; None lets Ray count them. Declaring more than the
     # machine has lets a streaming Ray Data pipeline run next to CPU-holding train workers.
     ray_num_cpus: int | None = None
@@ -60,6 +64,12 @@ class RayArguments:
         if self.ray_num_cpus is not None and self.ray_num_cpus < 1:
             raise ArgumentError(
                 "ray_num_cpus", f"ray_num_cpus must be at least 1, got {self.ray_num_cpus} (or remove it)."
+            )
+        if self.ray_threads_per_worker is not None and self.ray_threads_per_worker < 1:
+            raise ArgumentError(
+                "ray_threads_per_worker",
+                f"ray_threads_per_worker must be at least 1, got {self.ray_threads_per_worker} (or remove it "
+                "for the default: every core for a lone worker, its CPU share for each of several).",
             )
         if self.ray_num_cpus is not None and self.ray_address:
             raise ArgumentError(

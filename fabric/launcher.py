@@ -31,7 +31,9 @@ def launch_training(
     training = spec.training
     relay = ProgressRelay(progress)
     payload = WorkerPayload(
-        spec, has_eval=eval_ds is not None, use_cpu=not ray_args.uses_gpu, callbacks=[*callbacks, *relay.callbacks]
+        spec, has_eval=eval_ds is not None, use_cpu=not ray_args.uses_gpu, callbacks=[*callbacks, *relay.callbacks],
+        torch_threads=ray_args.ray_threads_per_worker,
+        whole_node=ray_args.ray_num_workers == 1 and not ray_args.uses_gpu and not spec.data.streaming,
     )
     datasets = {"train": train_ds} | ({"eval": eval_ds} if eval_ds is not None else {})
     trainer = TorchTrainer(

@@ -24,9 +24,16 @@ class RelayCallback(TrainerCallback):
 
     def __init__(self, mailbox):
         self.mailbox = mailbox
+        self._stepped = False
 
     def on_train_begin(self, args, state, control, **kwargs):
+        self._stepped = False
         self._send(state, {"event": "begin"})
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if not self._stepped:  # the first optimizer step of this worker group: start-up is over
+            self._stepped = True
+            self._send(state, {"event": "first_step"})
 
     def on_log(self, args, state, control, logs=None, **kwargs):
         self._send(state, {"event": "log", **(logs or {})})

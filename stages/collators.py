@@ -176,8 +176,9 @@ class PaddingFreeCollator(PaddingCollator):
 
     Examples go first-fit into rows of at most ``row_width`` tokens (None: the batch's longest
     example, the padded batch's width). sdpa and eager attention over a row cost its length
-    squared, so rows that wide never cost more than padding while dropping most pads (a 7M Llama
-    on CPU, 8 examples of 60-256 tokens: 0.9 s a step padded, 0.7 s in rows, 0.85 s in one row).
+    squared, so rows that wide never cost more than padding while dropping most pads (an 8.4M
+    Llama on 2 CPU cores, benchmarks/batch_layouts.py: 450 ms a step padded, 350 ms in rows, 429 ms
+    in one row).
     Flash kernels run each example on its own: ``one_row`` lays the whole batch in a single row.
     """
 

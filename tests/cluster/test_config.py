@@ -338,6 +338,13 @@ def test_num_cpus_with_a_cluster_address():
     )
 
 
+def test_threads_per_worker_must_be_positive():
+    assert error_of({**BASE, "ray_threads_per_worker": 0}) == (
+        "invalid ray_threads_per_worker in the config dict: ray_threads_per_worker must be at least 1, got 0 (or "
+        "remove it for the default: every core for a lone worker, its CPU share for each of several)."
+    )
+
+
 def test_required_keys():
     assert error_of({"output_dir": "o"}) == (
         "model_name_or_path is missing in the config dict. Set it to a model folder (or a hub id), "

@@ -37,6 +37,7 @@ def test_quickstart_console_is_short_and_the_log_holds_the_internals(tmp_path):
     log_path = tmp_path / "out" / "rayfactory.log"
     assert f"log         {log_path}" in done.stdout  # the summary says where the rest went
     assert "eval at step 6: eval_loss" in done.stdout
+    assert "  start-up    first step " in done.stdout and ", workers + model " in done.stdout
 
     log = log_path.read_text()
     assert "Started a local Ray instance" in log  # the driver's Ray records

@@ -1,0 +1,78 @@
+"""One training step of a ~8M Llama in one process, by batch layout: padded, padded with gradient
+checkpointing (LLaMA-Factory's default), padding-free in rows (ours), padding-free in one row.
+
+    .venv/bin/python benchmarks/batch_layouts.py [--threads 2] [--steps 10]
+
+The model of vs_llamafactory.py's 9m-full case (hidden 256, 8 layers, random init), batches of 8
+random examples of 50-210 tokens, loss on the second half of each: forward + backward + AdamW,
+milliseconds a step (the first two steps not counted). What the layout alone costs, without Ray,
+the Trainer or data loading around it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import sys
+import tempfile
+import time
+
+from harness import machine_line  # noqa: F401 (sets up the import path)
+
+
+def main() -> int:
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from registries.models import build_tiny_model
+    from stages.collators import PaddingCollator, PaddingFreeCollator
+
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--steps", type=int, default=10)
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    with tempfile.TemporaryDirectory() as work:
+        path = build_tiny_model("llama", work, hidden_size=256, num_layers=8, num_heads=4, intermediate_size=1024)
+        model = AutoModelForCausalLM.from_pretrained(str(path), attn_implementation="sdpa")
+    model.config.use_cache = False  # as the Trainer sets it
+    model.train()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5)
+    rng = random.Random(0)
+    vocab = model.config.vocab_size
+
+    def example():
+        length = rng.randint(50, 210)
+        ids = [rng.randrange(3, vocab) for _ in range(length)]
+        return {"input_ids": ids, "attention_mask": [1] * length, "labels": [-100] * (length // 2) + ids[length // 2:]}
+
+    batches = [[example() for _ in range(8)] for _ in range(args.steps)]
+    layouts = [
+        ("padded", PaddingCollator(pad_token_id=0), False),
+        ("padded + gradient checkpointing", PaddingCollator(pad_token_id=0), True),
+        ("padding-free, rows as wide as the longest example", PaddingFreeCollator(pad_token_id=0), False),
+        ("padding-free, one row", PaddingFreeCollator(pad_token_id=0, one_row=True), False),
+    ]
+    print(machine_line())
+    print(f"{sum(p.numel() for p in model.parameters()) / 1e6:.1f}M parameters, {args.threads} threads")
+    print("| layout | tokens a step (pads included) | ms a step |\n|---|---|---|")
+    for name, collator, checkpointing in layouts:
+        if checkpointing:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        else:
+            model.gradient_checkpointing_disable()
+        times, tokens = [], 0
+        for features in batches:
+            batch = collator(features)
+            tokens += batch["input_ids"].numel()
+            start = time.perf_counter()
+            model(**batch).loss.backward()
+            optimizer.step()
+            optimizer.zero_grad()
+            times.append(time.perf_counter() - start)
+        print(f"| {name} | {tokens / len(batches):.0f} | {1000 * sum(times[2:]) / len(times[2:]):.0f} |")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
