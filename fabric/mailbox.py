@@ -15,8 +15,8 @@ class Mailbox:
     def __init__(self):
         self._records: list[dict] = []
 
-    def put(self, record: dict) -> None:
-        self._records.append(record)
+    def put(self, *records: dict) -> None:
+        self._records.extend(records)
 
     def take(self) -> list[dict]:
         records, self._records = self._records, []

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 
 import ray
 from transformers import TrainerCallback
@@ -20,11 +21,19 @@ logger = logging.getLogger(__name__)
 
 
 class RelayCallback(TrainerCallback):
-    """On every rank (shipped in the worker payload); only the world's rank 0 sends."""
+    """On every rank (shipped in the worker payload); only the world's rank 0 sends.
+
+    Plain loss records are sent at most every ``SEND_INTERVAL_S`` (with logging_steps 1 an actor
+    call per step cost a 9M model 7% of its training speed on 2 cores); the others (start, first
+    step, evaluation, the closing record) go at once, with whatever waited before them."""
+
+    SEND_INTERVAL_S = 0.5
 
     def __init__(self, mailbox):
         self.mailbox = mailbox
         self._stepped = False
+        self._pending: list[dict] = []
+        self._last_sent = 0.0
 
     def on_train_begin(self, args, state, control, **kwargs):
         self._stepped = False
@@ -36,12 +45,25 @@ class RelayCallback(TrainerCallback):
             self._send(state, {"event": "first_step"})
 
     def on_log(self, args, state, control, logs=None, **kwargs):
-        self._send(state, {"event": "log", **(logs or {})})
+        logs = logs or {}
+        routine = "loss" in logs and not any(k.startswith("eval_") or k == "train_runtime" for k in logs)
+        self._send(state, {"event": "log", **logs}, now=not routine)
 
-    def _send(self, state, record: dict) -> None:
-        if state.is_world_process_zero:
+    def on_train_end(self, args, state, control, **kwargs):
+        self._flush()
+
+    def _send(self, state, record: dict, now: bool = True) -> None:
+        if not state.is_world_process_zero:
+            return
+        self._pending.append({"step": state.global_step, "max_steps": state.max_steps, **record})
+        if now or time.monotonic() - self._last_sent >= self.SEND_INTERVAL_S:
+            self._flush()
+
+    def _flush(self) -> None:
+        if self._pending:
             # Fire and forget: calls from one caller run in order, and training never waits on the driver.
-            self.mailbox.put.remote({"step": state.global_step, "max_steps": state.max_steps, **record})
+            self.mailbox.put.remote(*self._pending)
+            self._pending, self._last_sent = [], time.monotonic()
 
 
 class ProgressRelay:

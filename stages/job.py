@@ -48,6 +48,11 @@ class JobSpec:
         # checkpoint for one; CommitCheckpoints (build_trainer) rotates committed ones by the
         # user's save_total_limit instead (stages/hf_checkpoints.py).
         overrides["save_total_limit"] = None
+        if "disable_tqdm" not in self.training.values:
+            # The driver draws the progress bar from rank 0's log records; a worker's own bar only
+            # reaches the log file, and each redraw wakes Ray's log pipe and the driver (9% of a
+            # 9M model's training speed on 2 cores, benchmarks/README.md).
+            overrides["disable_tqdm"] = True
         if self.stage.keeps_extra_columns:
             # The Trainer keeps only columns forward() names; this stage's collator needs the rest.
             overrides["remove_unused_columns"] = False

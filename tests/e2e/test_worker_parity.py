@@ -64,7 +64,8 @@ class RecordWrapping(TrainerCallback):
 
         if state.is_world_process_zero:
             with open(self.path, "w", encoding="utf-8") as f:
-                json.dump({"distributed_type": PartialState().distributed_type.name, "world_size": args.world_size}, f)
+                json.dump({"distributed_type": PartialState().distributed_type.name, "world_size": args.world_size,
+                           "nice": os.getpriority(os.PRIO_PROCESS, 0)}, f)
 
 
 def _seedable_sampler(dataloader):
@@ -87,7 +88,8 @@ def two_workers(ray_session, tmp_path_factory):
                              max_steps=-1, num_train_epochs=1)
     result = run_exp(config, callbacks=[RecordRankIndices(str(out / "indices")), RecordWrapping(str(out / "wrap.json"))])
     with open(out / "wrap.json", encoding="utf-8") as f:
-        assert json.load(f) == {"distributed_type": "MULTI_CPU", "world_size": 2}  # DDP: gradients all-reduced
+        # DDP: gradients all-reduced; and the run's own local Ray starts its workers at nice 0, not Ray's 15.
+        assert json.load(f) == {"distributed_type": "MULTI_CPU", "world_size": 2, "nice": 0}
     return result.output_dir, str(out / "indices")
 
 
@@ -97,7 +99,7 @@ def test_two_workers_match_one_worker_on_the_same_global_batch(ray_session, tmp_
                   callbacks=[RecordWrapping(str(tmp_path / "wrap.json"))])
     # A lone worker trains unwrapped (fabric/worker.py): no all-reduce with nobody, no unused-parameter search.
     with open(tmp_path / "wrap.json", encoding="utf-8") as f:
-        assert json.load(f) == {"distributed_type": "NO", "world_size": 1}
+        assert json.load(f) == {"distributed_type": "NO", "world_size": 1, "nice": 0}
     two_losses, one_losses = _losses(two_dir), _losses(one.output_dir)
 
     assert [s for s, _ in one_losses] == list(range(1, 21))  # 320 rows / 16 per step
