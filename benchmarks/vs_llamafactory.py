@@ -88,11 +88,10 @@ def case_config(name: str, work: str) -> dict:
     if name == "smollm2-lora":
         from stages.loading import resolve_model_path
 
-        import shutil
-
-        os.makedirs(data_dir, exist_ok=True)
-        for entry in ("dataset_info.json", "identity_demo.json"):
-            shutil.copy(os.path.join(REPO_ROOT, "data", entry), data_dir)
+        with open(os.path.join(REPO_ROOT, "data", "identity_demo.json"), encoding="utf-8") as f:
+            rows = json.load(f)
+        # LLaMA-Factory's alpaca reader indexes row["input"], which our rows leave out when empty.
+        write_dataset(data_dir, "identity_demo", [{"input": "", **row} for row in rows])
         return dict(common, model_name_or_path=resolve_model_path("demo:smollm2-135m-instruct"), template="smollm2",
                     finetuning_type="lora", lora_target="all", lora_rank=8, dataset="identity_demo", cutoff_len=256,
                     learning_rate=5.0e-4, max_steps=20)
