@@ -94,13 +94,13 @@ class Console:
         for note in cfg.notes:
             self.say(f"[rayfactory] note: {note}")
 
-    def mark(self, phase: str) -> None:
-        """The driver says a start-up phase has finished (config checked, Ray up, data ready)."""
-        self._marks.append((phase, time.time()))
+    def mark(self, phase: str, at: float | None = None) -> None:
+        """A start-up phase has finished (config checked, Ray up, data ready; from the workers,
+        model loaded and first step, at the time rank 0 stamped on its record)."""
+        self._marks.append((phase, time.time() if at is None else at))
 
     def startup_line(self) -> str | None:
-        """'first step 23.1 s after the start: config 1.2 s, Ray 3.0 s, ...': where the wait went.
-        The worker phases are seen through the progress relay, to within its half-second polling."""
+        """'first step 23.1 s after the start: config 1.2 s, Ray 3.0 s, ...': where the wait went."""
         marks = self._marks
         if not any(phase == "first step" for phase, _ in marks):
             return None
@@ -123,11 +123,11 @@ class Console:
         self._metrics.update((k, v) for k, v in record.items() if isinstance(v, (int, float)))
         if record.get("event") == "first_step":
             if not any(phase == "first step" for phase, _ in self._marks):
-                self.mark("first step")
+                self.mark("first step", record.get("time"))
             return
         if record.get("event") == "begin":  # also after a restart of the worker group
             if not any(phase == "first step" for phase, _ in self._marks):
-                self.mark("workers + model")
+                self.mark("workers + model", record.get("time"))
             self._close_bar()
             from tqdm.auto import tqdm
 

@@ -37,12 +37,12 @@ class RelayCallback(TrainerCallback):
 
     def on_train_begin(self, args, state, control, **kwargs):
         self._stepped = False
-        self._send(state, {"event": "begin"})
+        self._send(state, {"event": "begin", "time": time.time()})  # when, for the start-up split
 
     def on_step_end(self, args, state, control, **kwargs):
         if not self._stepped:  # the first optimizer step of this worker group: start-up is over
             self._stepped = True
-            self._send(state, {"event": "first_step"})
+            self._send(state, {"event": "first_step", "time": time.time()})
 
     def on_log(self, args, state, control, logs=None, **kwargs):
         logs = logs or {}

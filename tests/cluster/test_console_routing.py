@@ -24,8 +24,10 @@ with Console(sys.argv[1], verbose=sys.argv[2] == "verbose") as console:
     console.mark("Ray")
     logging.getLogger("fabric.data_pipeline").info("data ready in 1.0s")
     console.mark("data")
-    console.progress({"event": "begin", "step": 0, "max_steps": 4})
-    console.progress({"event": "first_step", "step": 1, "max_steps": 4})
+    import time
+    now = time.time()  # rank 0 stamps its records: the split uses those times, not their arrival
+    console.progress({"event": "begin", "step": 0, "max_steps": 4, "time": now + 2.0})
+    console.progress({"event": "first_step", "step": 1, "max_steps": 4, "time": now + 2.5})
     console.progress({"event": "log", "step": 2, "max_steps": 4, "loss": 2.5, "learning_rate": 1e-3})
     console.progress({"event": "log", "step": 4, "max_steps": 4, "train_runtime": 1.0, "train_loss": 2.0})
     console.progress({"event": "log", "step": 4, "max_steps": 4, "eval_loss": 1.5, "eval_runtime": 0.1})
@@ -53,7 +55,7 @@ def test_internals_go_to_the_log_and_the_terminal_gets_the_console(tmp_path):
     # Where the wait before the first step went, phase by phase (each phase's own seconds).
     startup = lines.pop(5)
     assert re.fullmatch(r"  start-up    first step \d+\.\d s after the start: config \d+\.\d s, Ray \d+\.\d s, "
-                        r"data \d+\.\d s, workers \+ model \d+\.\d s, first step \d+\.\d s", startup), startup
+                        r"data \d+\.\d s, workers \+ model 2\.\d s, first step 0\.5 s", startup), startup
     assert lines[2:] == ["eval at step 4: eval_loss 1.5", "done in 0s: train_loss 2, eval_loss 1.5",
                          f"  outputs     {tmp_path}", f"  log         {tmp_path / 'rayfactory.log'}",
                          "after the run", ""]
