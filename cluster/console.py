@@ -99,16 +99,20 @@ class Console:
         model loaded and first step, at the time rank 0 stamped on its record)."""
         self._marks.append((phase, time.time() if at is None else at))
 
+    @property
+    def _stepped(self) -> bool:
+        """Start-up is over: later worker-group starts (restarts) are not part of it."""
+        return any(phase == "first step" for phase, _ in self._marks)
+
     def startup_line(self) -> str | None:
         """'first step 23.1 s after the start: config 1.2 s, Ray 3.0 s, ...': where the wait went."""
-        marks = self._marks
-        if not any(phase == "first step" for phase, _ in marks):
+        if not self._stepped:
             return None
         parts, before = [], self._started
-        for phase, at in marks:
+        for phase, at in self._marks:
             parts.append(f"{phase} {at - before:.1f} s")
             before = at
-        total = next(at for phase, at in marks if phase == "first step") - self._started
+        total = next(at for phase, at in self._marks if phase == "first step") - self._started
         return f"  start-up    first step {total:.1f} s after the start: " + ", ".join(parts)
 
     def progress_sink(self):
@@ -122,11 +126,11 @@ class Console:
         step = record.get("step", 0)
         self._metrics.update((k, v) for k, v in record.items() if isinstance(v, (int, float)))
         if record.get("event") == "first_step":
-            if not any(phase == "first step" for phase, _ in self._marks):
+            if not self._stepped:
                 self.mark("first step", record.get("time"))
             return
         if record.get("event") == "begin":  # also after a restart of the worker group
-            if not any(phase == "first step" for phase, _ in self._marks):
+            if not self._stepped:
                 self.mark("workers + model", record.get("time"))
             self._close_bar()
             from tqdm.auto import tqdm
