@@ -1,5 +1,5 @@
 """The ``rayfactory`` command: train, chat, export, serve (alias api), submit, status, logs, stop,
-jobs, env, version, templates.
+jobs, webui, env, version, templates.
 
 Heavy imports (torch, transformers, Ray, the driver) happen inside the subcommand that needs
 them, so ``rayfactory version`` and ``rayfactory templates`` answer at once.
@@ -16,6 +16,7 @@ from registries.errors import find_user_error
 
 from .arguments import parse_arguments
 from .submit import JOB_ACTIONS, add_job_arguments, add_submit_arguments, run_job, run_submit
+from .webui.server import add_webui_arguments
 
 # Reported by ``rayfactory env``: core first, then the optional extras.
 CORE_PACKAGES = ("torch", "transformers", "peft", "trl", "datasets", "accelerate", "ray")
@@ -81,6 +82,11 @@ def build_parser() -> argparse.ArgumentParser:
     add_submit_arguments(submit).set_defaults(handler=run_submit)
     for action, summary in JOB_ACTIONS.items():
         add_job_arguments(commands.add_parser(action, help=summary), action).set_defaults(handler=run_job)
+
+    webui = commands.add_parser(
+        "webui", help="the web UI: build a config, preview the data, run it as a Ray job, chat, export",
+        description="Serve the RayFactory board (Train, Chat and Export tabs) on http://HOST:PORT.")
+    add_webui_arguments(webui).set_defaults(handler=_lazy("cluster.webui.server", "run_webui"))
 
     env = commands.add_parser("env", help="show package versions and what Ray sees")
     env.add_argument("--local", action="store_true", help="start a temporary local Ray if no cluster is reachable")

@@ -374,6 +374,13 @@ def _check_and_resolve(run: RunConfig, where: typing.Callable[[str], str], purpo
             f"from {where('deepspeed')}: bitsandbytes weights cannot be partitioned. Use a ZeRO-2 config "
             "(configs/deepspeed/ds_z2_config.json) or drop quantization_bit."
         )
+    if tuning.chunked_loss and zero_stage == 3:
+        raise ConfigError(
+            f"chunked_loss is true in {where('chunked_loss')}, but the DeepSpeed ZeRO-3 config from "
+            f"{where('deepspeed')} partitions the output head's weight, which the chunked loss calls chunk by "
+            "chunk outside the model's forward. Use a ZeRO-2 config, or remove chunked_loss (null keeps the "
+            "plain loss under ZeRO-3)."
+        )
     resume = training.get("resume_from_checkpoint")
     # "auto" (the latest complete checkpoint in output_dir) stays as it is: it is resolved at launch,
     # since output_dir may only get its checkpoints after this config was read (a rerun of a died run).

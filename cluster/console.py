@@ -42,6 +42,7 @@ class Console:
         self._metrics: dict = {}  # the latest value of each metric rank 0 logged
         self._started = time.time()
         self._marks: list[tuple[str, float]] = []  # start-up phases: (what finished, when)
+        self._notes_shown: set[str] = set()
         self._undo: list = []  # what __enter__ changed, restored last change first
 
     # ------------------------------------------------------------------ what the user reads
@@ -133,6 +134,10 @@ class Console:
             if not self._stepped:
                 self.mark("workers + model", record.get("time"))
             self._close_bar()
+            for note in record.get("notes", ()):  # rank 0's facts (the memory plan); a restart repeats them
+                if note not in self._notes_shown:
+                    self._notes_shown.add(note)
+                    self.say(f"[rayfactory] {note}")
             from tqdm.auto import tqdm
 
             self._bar = tqdm(total=record.get("max_steps") or None, initial=step, desc="train", unit="step",

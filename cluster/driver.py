@@ -48,7 +48,7 @@ def run_exp(
     # Mistakes that need no cluster fail before Ray starts: model path, template, datasets.
     # Model facts are resolved once, here: the driver tokenizes (through Ray Data) with this
     # tokenizer and template, and the workers load the template by its resolved name.
-    tokenizer, template = _load_tokenizer_and_template(cfg)
+    tokenizer, template = tokenizer_and_template(cfg)
     configured_template = cfg.data.template  # prediction alone keeps a model folder's saved template
     cfg.data.template = template.name  # `template: auto` pinned for the workers and the saved config
     spec = cfg.job_spec()
@@ -139,7 +139,7 @@ def _predict(cfg: RunConfig, console: Console, trained: bool, template: Optional
     return predicted
 
 
-def _load_tokenizer_and_template(cfg: RunConfig):
+def tokenizer_and_template(cfg: RunConfig):
     """The tokenizer and template, or a ConfigError that says which setting is wrong."""
     from registries.templates import get_template
     from registries.templates.autodetect import AUTO

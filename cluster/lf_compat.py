@@ -14,9 +14,6 @@ IGNORED_KEYS = {
     "overwrite_output_dir": (
         "transformers 5 removed it; output_dir is written into, and resuming needs resume_from_checkpoint"
     ),
-    "disable_gradient_checkpointing": (
-        "gradient checkpointing is transformers' gradient_checkpointing option (off unless set)"
-    ),
     "master_addr": "Ray Train sets up the process group",
     "master_port": "Ray Train sets up the process group",
     "ignore_pad_token_for_loss": "padding never counts in the loss",
@@ -86,6 +83,18 @@ def apply_lf_compat(values: dict[str, Any], origin: dict[str, str]) -> list[str]
                 "the training steps). For a step count use warmup_steps."
             )
         move("warmup_ratio", ratio, "warmup_steps", float(ratio))
+    if "disable_gradient_checkpointing" in values:
+        # LLaMA-Factory checkpoints unless told not to; here the memory planner decides when
+        # gradient_checkpointing is unset (stages/memory_plan.py), so only a true says something.
+        where = origin["disable_gradient_checkpointing"]
+        disable = coerce_key("disable_gradient_checkpointing", values.pop("disable_gradient_checkpointing"), bool, where)
+        if disable:
+            move("disable_gradient_checkpointing", True, "gradient_checkpointing", False)
+        else:
+            notes.append(
+                f"ignored 'disable_gradient_checkpointing' from {where}: false leaves gradient checkpointing to "
+                "the memory planner (on when the model would not fit without it; gradient_checkpointing: true forces it)."
+            )
     if "flash_attn" in values:
         choice = values.pop("flash_attn")
         if choice not in FLASH_ATTN:

@@ -34,10 +34,12 @@ class RelayCallback(TrainerCallback):
         self._stepped = False
         self._pending: list[dict] = []
         self._last_sent = 0.0
+        self.notes: list[str] = []  # lines for the console (the worker's StageJob.notes), sent with "begin"
 
     def on_train_begin(self, args, state, control, **kwargs):
         self._stepped = False
-        self._send(state, {"event": "begin", "time": time.time()})  # when, for the start-up split
+        record = {"event": "begin", "time": time.time()}  # when, for the start-up split
+        self._send(state, record | ({"notes": list(self.notes)} if self.notes else {}))
 
     def on_step_end(self, args, state, control, **kwargs):
         if not self._stepped:  # the first optimizer step of this worker group: start-up is over

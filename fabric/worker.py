@@ -61,6 +61,8 @@ def train_loop(config: dict) -> None:
         callbacks=[_report_callback(), *payload.callbacks],
         resume_from_checkpoint=_resume_point(training_args.resume_from_checkpoint, training_args.output_dir),
         prepare_trainer=lambda trainer: feed_streamed_shards(prepare_trainer(trainer)),
+        memory_budget=_memory_budget(payload.use_cpu),
+        notes=_console_notes(payload.callbacks),
     )
     metrics = spec.stage.load_runner()(job)
     ray.train.report({k: v for k, v in metrics.items() if isinstance(v, (int, float))})
@@ -162,6 +164,32 @@ def _resume_point(requested: Optional[str], output_dir: str) -> Optional[str]:
 
         return latest_committed(output_dir)
     return requested or None
+
+
+def _memory_budget(use_cpu: bool):
+    """What this worker's training step may fill (stages/memory_plan.py): its GPU's free memory; on CPU
+    the ``memory`` resource of resources_per_worker, else the node's available memory shared by the
+    run's workers on this node."""
+    import ray.train.torch
+
+    from stages.memory_plan import MemoryBudget, available_system_memory, local_budget
+
+    if not use_cpu:  # Ray Train may show a worker all its node's GPUs; get_device() is this worker's own
+        return local_budget(use_cpu=False, device=ray.train.torch.get_device())
+    reserved = ray.get_runtime_context().get_assigned_resources().get("memory")
+    if reserved:
+        return MemoryBudget(int(reserved), "the worker's Ray memory resource")
+    workers = max(1, ray.train.get_context().get_local_world_size())
+    share = "available memory" + (f" / {workers} workers on the node" if workers > 1 else "")
+    return MemoryBudget(available_system_memory() // workers, share)
+
+
+def _console_notes(callbacks) -> list[str]:
+    """The list whose lines the progress relay shows on the driver's console (rank 0's, once); a
+    list of its own where nothing relays (``run_exp`` from Python: the lines reach the log only)."""
+    from .progress import RelayCallback
+
+    return next((cb.notes for cb in callbacks if isinstance(cb, RelayCallback)), [])
 
 
 def _join_deepspeed_comm(use_cpu: bool) -> None:

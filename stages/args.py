@@ -93,6 +93,10 @@ class FinetuningArguments:
     reward_model_adapters: list[str] | None = None
     reward_model_type: Literal["lora", "full", "api"] = "lora"
     plot_loss: bool = False
+    # RayFactory's own, pt/sft: the cross-entropy in chunks of tokens, each chunk's logits recomputed in
+    # the backward instead of kept (stages/chunked_loss.py). null: on from a 32768-token vocabulary.
+    chunked_loss: bool | None = None
+    chunked_loss_tokens: int | None = None  # tokens per chunk; null: ~256 MiB of fp32 logits per chunk
 
     def __post_init__(self) -> None:
         try:
@@ -125,6 +129,18 @@ class FinetuningArguments:
             raise ArgumentError(
                 "dpo_label_smoothing",
                 f"dpo_label_smoothing only applies to pref_loss sigmoid, not {self.pref_loss!r}. Remove it.",
+            )
+        if self.chunked_loss_tokens is not None and self.chunked_loss_tokens < 1:
+            raise ArgumentError(
+                "chunked_loss_tokens",
+                f"chunked_loss_tokens must be at least 1, got {self.chunked_loss_tokens}. Remove it for the "
+                "automatic size (~256 MiB of fp32 logits per chunk).",
+            )
+        if self.chunked_loss and not self.spec.causal_lm_loss:
+            raise ArgumentError(
+                "chunked_loss",
+                f"chunked_loss chunks the causal-LM loss of stages pt and sft, but stage is {self.stage!r}, whose "
+                "loss is its own. Remove chunked_loss.",
             )
         for name in ("use_rslora", "use_dora"):
             if getattr(self, name) and self.finetuning_type != "lora":

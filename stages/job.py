@@ -11,6 +11,7 @@ config, which must stay quick.
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Callable, Optional
 
@@ -23,6 +24,10 @@ from .table import StageSpec
 if TYPE_CHECKING:  # heavy imports, only for the annotations
     import datasets
     from transformers import Seq2SeqTrainingArguments, TrainerCallback
+
+    from .memory_plan import MemoryBudget, MemoryPlan
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -70,6 +75,10 @@ class StageJob:
     resume_from_checkpoint: Optional[str] = None
     # The distribution layer's last word on the trainer (e.g. Ray's prepare_trainer); stages stay placement-free.
     prepare_trainer: Optional[Callable] = None
+    # What this worker may fill (the fabric knows its share of the node); None: this process's view.
+    memory_budget: Optional["MemoryBudget"] = None
+    # Lines for the user's console (the memory plan); the fabric's progress relay shows rank 0's once.
+    notes: list[str] = field(default_factory=list)
 
     def tokenizer_and_template(self):
         """The tokenizer and template exactly as the driver tokenized the data with."""
@@ -78,10 +87,33 @@ class StageJob:
         return load_tokenizer_and_template(self.spec.model, self.spec.data)
 
     def load_model(self, tokenizer):
-        """The model with its adapter (full / freeze / lora / qlora), in the trainer's precision."""
+        """The model with its adapter (full / freeze / lora / qlora), in the trainer's precision;
+        gradient checkpointing as the user set it, else as the memory plan says."""
         from .loading import load_model
 
+        self.plan_memory()
         return load_model(self.spec.model, self.spec.finetuning, tokenizer, self.training_args)
+
+    def plan_memory(self) -> Optional["MemoryPlan"]:
+        """Set ``gradient_checkpointing`` from stages/memory_plan.py when the user left it unset
+        (before the model loads: loading reads it). Returns the plan, None where the user chose."""
+        if "gradient_checkpointing" in self.spec.training.values:
+            return None
+        from .loading import model_config
+        from .memory_plan import ModelShape, local_budget, plan_memory, training_shape
+
+        try:
+            model = ModelShape.from_config(model_config(self.spec.model))
+        except (AttributeError, TypeError, ValueError) as exc:  # a config without a decoder's usual sizes
+            logger.warning("memory plan skipped (%s): gradient checkpointing stays off unless "
+                           "gradient_checkpointing is set", exc)
+            return None
+        budget = self.memory_budget or local_budget(use_cpu=bool(self.training_args.use_cpu))
+        plan = plan_memory(model, training_shape(self.spec, self.training_args, model), budget)
+        self.training_args.gradient_checkpointing = plan.gradient_checkpointing
+        logger.info(plan.reason)
+        self.notes.append(plan.reason)
+        return plan
 
     def build_reference(self, policy, tokenizer):
         """The frozen reference policy the stage needs (none, the adapter-disabled base, or a copy)."""

@@ -106,16 +106,23 @@ def check_model_fits(model_args, finetuning_args) -> None:
     check_finetuning_fits(model_skeleton(model_args), finetuning_args, model_args)
 
 
-def model_skeleton(model_args):
-    """The model's module tree on the meta device: every module and shape, no weights in memory."""
-    from transformers import AutoConfig, AutoModelForCausalLM
+def model_config(model_args):
+    """The model's config alone (config.json): shapes without weights."""
+    from transformers import AutoConfig
 
-    config = AutoConfig.from_pretrained(
+    return AutoConfig.from_pretrained(
         resolve_model_path(model_args.model_name_or_path),
         trust_remote_code=model_args.trust_remote_code,
         revision=model_args.model_revision,
         cache_dir=model_args.cache_dir,
     )
+
+
+def model_skeleton(model_args):
+    """The model's module tree on the meta device: every module and shape, no weights in memory."""
+    from transformers import AutoModelForCausalLM
+
+    config = model_config(model_args)
     with torch.device("meta"):
         return AutoModelForCausalLM.from_config(config, trust_remote_code=model_args.trust_remote_code)
 

@@ -53,6 +53,8 @@ class StageSpec:
     # The recipe feeds columns the model's forward() does not name (chosen_*, kl_*) to its collator.
     keeps_extra_columns: bool = False
     needs_reference: Callable[..., bool] = _never  # (FinetuningArguments) -> bool
+    # The recipe trains on the model's own causal-LM loss, which chunked_loss can chunk.
+    causal_lm_loss: bool = False
 
     def __post_init__(self) -> None:
         if self.dataset_need not in DATASET_NEEDS:
@@ -129,12 +131,12 @@ def _load(target: str) -> Callable:
 register_stage(StageSpec(
     "pt", "pre-training: next-token loss on plain text",
     dataset_need="plain", tokenize="pretrain", collator="collators:padding_collator",
-    runner="causal_lm:run_causal_lm", pack_by_default=True,
+    runner="causal_lm:run_causal_lm", pack_by_default=True, causal_lm_loss=True,
 ))
 register_stage(StageSpec(
     "sft", "supervised fine-tuning: loss on the answers, prompts masked",
     dataset_need="plain", tokenize="supervised", collator="collators:supervised_collator",
-    runner="causal_lm:run_causal_lm",
+    runner="causal_lm:run_causal_lm", causal_lm_loss=True,
 ))
 register_stage(StageSpec(
     "rm", "reward model: a value head trained on preference pairs",

@@ -15,7 +15,7 @@ import yaml
 
 from tests.e2e.conftest import REPO_ROOT, example_config
 
-# Plan (5), data ready, the bar (redraws are carriage returns, not lines), eval, summary (5).
+# Plan (5), data ready, the memory plan, the bar (redraws are carriage returns, not lines), eval, summary (5).
 MAX_CONSOLE_LINES = 20
 
 
@@ -38,6 +38,8 @@ def test_quickstart_console_is_short_and_the_log_holds_the_internals(tmp_path):
     assert f"log         {log_path}" in done.stdout  # the summary says where the rest went
     assert "eval at step 6: eval_loss" in done.stdout
     assert "  start-up    first step " in done.stdout and ", workers + model " in done.stdout
+    # rank 0's memory plan, once: the quickstart model fits without gradient checkpointing
+    assert done.stdout.count("[rayfactory] memory plan: gradient checkpointing off: ") == 1
 
     log = log_path.read_text()
     assert "Started a local Ray instance" in log  # the driver's Ray records

@@ -1,7 +1,7 @@
 """The cluster path: `ray start --head`, then `rayfactory submit` of a training config and
 `rayfactory status|logs|jobs|stop` (the `ray job` commands with token auth), as a user runs them.
 
-Each head is a real Ray started by this module (random free ports, 4 logical CPUs, its own
+Each head is a real Ray started by cluster/local_head.py (random free ports, 4 logical CPUs, its own
 --temp-dir) and stopped by signalling only its own process session: `ray stop` would kill every
 Ray on the machine, other people's test runs included.
 """
@@ -11,44 +11,21 @@ from __future__ import annotations
 import json
 import os
 import re
-import shutil
-import socket
 import subprocess
 import sys
-import tempfile
 import time
-import urllib.error
-import urllib.request
-from dataclasses import dataclass
 
-import psutil
 import pytest
 import yaml
 
+from cluster import local_head
+from cluster.local_head import Head
 from cluster.submit import build_submit_command
 from stages.callbacks import read_log
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 VENV_BIN = os.path.dirname(sys.executable)
-RAY = os.path.join(VENV_BIN, "ray")
-HEAD_START_TIMEOUT_S = 120
 JOB_TIMEOUT_S = 420
-
-
-@dataclass
-class Head:
-    process: subprocess.Popen
-    gcs_address: str
-    dashboard_url: str
-    temp_dir: str
-    token: str | None
-    agent_port: int
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _clean_env(**extra: str) -> dict[str, str]:
@@ -61,84 +38,12 @@ def _clean_env(**extra: str) -> dict[str, str]:
 
 
 def start_head(home: str, auth_mode: str) -> Head:
-    # A short temp dir: Ray's unix socket paths live under it and must stay below ~107 chars.
-    temp_dir = tempfile.mkdtemp(prefix="rf-head-", dir="/tmp")
     token = os.urandom(32).hex() if auth_mode == "token" else None
     env = _clean_env(HOME=home, RAY_AUTH_MODE=auth_mode, **({"RAY_AUTH_TOKEN": token} if token else {}))
-    # Every port chosen here: Ray's defaults would collide with other Rays on this machine.
-    ports = {name: _free_port() for name in (
-        "port", "dashboard-port", "ray-client-server-port", "node-manager-port", "object-manager-port",
-        "dashboard-agent-listen-port", "dashboard-agent-grpc-port", "metrics-export-port", "runtime-env-agent-port",
-    )}
-    command = [
-        RAY, "start", "--head", "--block", "--num-cpus=4", "--disable-usage-stats", f"--temp-dir={temp_dir}",
-        "--include-dashboard=true", "--dashboard-host=127.0.0.1", *(f"--{k}={v}" for k, v in ports.items()),
-    ]
-    log = open(os.path.join(temp_dir, "head.log"), "w")
-    # A new session: every process this head spawns (workers included) shares its session id,
-    # which is how teardown finds them and nothing else.
-    process = subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-    head = Head(process, f"127.0.0.1:{ports['port']}", f"http://127.0.0.1:{ports['dashboard-port']}", temp_dir,
-                token, ports["dashboard-agent-listen-port"])
-    try:
-        _wait_until_ready(head)
-    except BaseException:
-        stop_head(head)
-        raise
-    return head
+    return local_head.start_head(env, num_cpus=4, token=token)
 
 
-def _wait_until_ready(head: Head) -> None:
-    """Dashboard answering and the head's dashboard agent listening: a job submitted before the
-    agent is up fails with 'No available agent to submit job' (seen on this loaded machine)."""
-    deadline = time.time() + HEAD_START_TIMEOUT_S
-    while time.time() < deadline:
-        if head.process.poll() is not None:
-            raise RuntimeError(f"ray start exited early:\n{_head_log(head)}")
-        if _dashboard_up(head) and _port_open(head.agent_port):
-            return
-        time.sleep(0.5)
-    raise RuntimeError(f"head not ready after {HEAD_START_TIMEOUT_S}s:\n{_head_log(head)}")
-
-
-def _dashboard_up(head: Head) -> bool:
-    try:
-        urllib.request.urlopen(head.dashboard_url + "/api/version", timeout=2)
-        return True
-    except urllib.error.HTTPError:
-        return True  # 401 under token auth: the server is up
-    except OSError:
-        return False
-
-
-def _port_open(port: int) -> bool:
-    try:
-        socket.create_connection(("127.0.0.1", port), timeout=1).close()
-        return True
-    except OSError:
-        return False
-
-
-def _head_log(head: Head) -> str:
-    with open(os.path.join(head.temp_dir, "head.log"), encoding="utf-8", errors="replace") as f:
-        return f.read()[-4000:]
-
-
-def stop_head(head: Head) -> None:
-    """Kill every process of this head's session, and nothing else.
-
-    SIGKILL, not a graceful SIGTERM: after a job ran, `ray start --block` drains for ~35 s
-    before it exits on this machine, and a test head holds no data worth a clean shutdown.
-    """
-    session = head.process.pid
-    for proc in psutil.process_iter():
-        try:
-            if os.getsid(proc.pid) == session:
-                proc.kill()
-        except (ProcessLookupError, psutil.Error, PermissionError):
-            pass
-    head.process.wait(timeout=30)
-    shutil.rmtree(head.temp_dir, ignore_errors=True)
+stop_head = local_head.stop_head
 
 
 @pytest.fixture(scope="module")

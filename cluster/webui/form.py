@@ -1,0 +1,281 @@
+"""The Train tab's form: its fields, and form values <-> the config dict <-> YAML text.
+
+The form edits a plain LLaMA-Factory-style config, the same dict a YAML file holds. Keys the form
+has no field for (loaded from a YAML) are kept as they are, so load -> save changes nothing the
+user did not touch. Validation is the CLI's own: ``load_config`` of that dict, and its
+``ConfigError`` paragraph is what the page shows next to the field it names.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shlex
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import yaml
+
+from registries.errors import UserError
+
+
+@dataclass(frozen=True)
+class Field:
+    key: str  # the config key, LLaMA-Factory's name
+    section: str  # the YAML section it is written under ("### model" ...)
+    kind: str  # text | number | select | datasets | check
+    default: Any = ""
+    choices: tuple = ()  # select: fixed choices; filled from the registries by `form_spec`
+    help: str = ""
+    when: tuple = ()  # ("stage", "dpo", "kto"): shown (and written) only when that field has one of these values
+
+
+SECTIONS = ("model", "method", "dataset", "output", "train", "ray")
+FIELDS: tuple[Field, ...] = (
+    Field("model_name_or_path", "model", "text", "tiny:qwen2",
+          help="hub id, local folder, tiny:<family> (random-init, offline) or demo:smollm2-135m-instruct"),
+    Field("template", "model", "select", "auto", help="chat template; auto reads it from the tokenizer"),
+    Field("stage", "method", "select", "sft"),
+    Field("finetuning_type", "method", "select", "lora", choices=("lora", "full", "freeze")),
+    Field("lora_rank", "method", "number", 8, when=("finetuning_type", "lora")),
+    Field("lora_alpha", "method", "number", "", help="blank: 2 x lora_rank", when=("finetuning_type", "lora")),
+    Field("lora_dropout", "method", "number", 0, when=("finetuning_type", "lora")),
+    Field("lora_target", "method", "text", "all", help="module names, comma-separated; all = every linear layer",
+          when=("finetuning_type", "lora")),
+    Field("additional_target", "method", "text", "", help="modules trained fully beside the adapter",
+          when=("finetuning_type", "lora")),
+    Field("freeze_trainable_layers", "method", "number", 2, when=("finetuning_type", "freeze")),
+    Field("pref_loss", "method", "select", "sigmoid", choices=("sigmoid", "hinge", "ipo", "orpo", "simpo"),
+          when=("stage", "dpo")),
+    Field("pref_beta", "method", "number", 0.1, when=("stage", "dpo", "kto")),
+    Field("dataset_dir", "dataset", "text", "data", help="the folder with dataset_info.json"),
+    Field("dataset", "dataset", "datasets", ""),
+    Field("eval_dataset", "dataset", "datasets", ""),
+    Field("cutoff_len", "dataset", "number", 2048),
+    Field("max_samples", "dataset", "number", ""),
+    Field("output_dir", "output", "text", "saves/webui/run"),
+    Field("logging_steps", "output", "number", 5),
+    Field("save_steps", "output", "number", 100),
+    Field("per_device_train_batch_size", "train", "number", 4),
+    Field("gradient_accumulation_steps", "train", "number", 1),
+    Field("learning_rate", "train", "number", 1.0e-4),
+    Field("num_train_epochs", "train", "number", 3),
+    Field("max_steps", "train", "number", "", help="blank: run num_train_epochs"),
+    Field("lr_scheduler_type", "train", "select", "cosine",
+          choices=("cosine", "linear", "constant", "constant_with_warmup", "polynomial")),
+    Field("warmup_steps", "train", "number", 0),
+    Field("bf16", "train", "check", False),
+    Field("seed", "train", "number", 42),
+    Field("ray_num_workers", "ray", "number", 1),
+    Field("resources_per_worker", "ray", "number", 1, help="CPUs per worker (a GPU cluster: edit the YAML)"),
+)
+FIELD_BY_KEY = {f.key: f for f in FIELDS}
+# Not fields (a run from the board always trains and plots): the extra keys a new form starts with.
+NEW_FORM_EXTRA = {"do_train": True, "plot_loss": True}
+REQUIRED_CHOICES = ("stage", "finetuning_type")  # every other select has a blank choice: "not written"
+
+
+def form_spec() -> dict[str, Any]:
+    """The fields with their choices filled from the registries, for the page to draw."""
+    from registries.templates import list_templates
+    from stages.table import STAGES
+
+    fields = []
+    for f in FIELDS:
+        choices = f.choices
+        if f.key == "template":
+            choices = ("auto", *sorted(list_templates()))
+        elif f.key == "stage":
+            choices = tuple(STAGES)
+        if f.kind == "select" and f.key not in REQUIRED_CHOICES:
+            choices = ("", *choices)
+        fields.append({**asdict(f), "choices": list(choices)})
+    return {"sections": list(SECTIONS), "fields": fields, "extra_text": extra_text(NEW_FORM_EXTRA),
+            "models": model_suggestions()}
+
+
+def model_suggestions() -> list[str]:
+    """What the model field offers besides a hub id or a folder: the offline tiny and demo models."""
+    from registries.models.demo import DEMO_PREFIX, list_demo_models
+    from registries.models.families import list_model_families
+
+    return [f"tiny:{family}" for family in list_model_families()] + [DEMO_PREFIX + m for m in list_demo_models()]
+
+
+def extra_text(extra: dict[str, Any]) -> str:
+    """The keys the form has no field for, as the YAML the page's "more keys" box holds."""
+    if not extra:
+        return ""
+    return yaml.safe_dump(extra, default_flow_style=False, sort_keys=False, allow_unicode=True)
+
+
+def config_from_form(values: dict[str, Any], extra: dict[str, Any] | None = None) -> dict[str, Any]:
+    """The config dict the form describes: ``extra`` (keys the form has no field for, or whose
+    field is hidden) first, then every shown field that is not blank, with numbers as numbers and
+    dataset lists comma-joined."""
+    config: dict[str, Any] = dict(extra or {})
+    for f in FIELDS:
+        if not _shown(f, values):  # another stage's or tuning type's option: only what extra holds
+            continue
+        value = _typed(f, values.get(f.key, f.default))
+        if value is None:
+            if not (f.kind == "check" and config.get(f.key) is False):  # a loaded explicit false stays
+                config.pop(f.key, None)
+        elif f.key == "resources_per_worker":
+            config[f.key] = {**(config.get(f.key) or {}), "CPU": value} if isinstance(config.get(f.key), dict) \
+                else {"CPU": value}
+        else:
+            config[f.key] = value
+    return config
+
+
+def form_from_config(config: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+    """(form values, the keys the form has no field for) of a loaded config. A field the loaded
+    values hide (lora_rank of a full fine-tune) keeps its key in extra, so saving writes it back."""
+    values, extra = {}, {}
+    for key, value in config.items():
+        f = FIELD_BY_KEY.get(key)
+        if f is None:
+            extra[key] = value
+        elif key == "resources_per_worker" and isinstance(value, dict):
+            values[key] = value.get("CPU", "")
+            if set(value) - {"CPU"}:  # GPUs and custom resources live on in extra, merged back on save
+                extra[key] = value
+        elif f.kind == "datasets":
+            values[key] = value if isinstance(value, list) else [v.strip() for v in str(value).split(",") if v.strip()]
+        else:
+            values[key] = value
+    for f in FIELDS:  # a field the YAML leaves out is blank, not the form's default
+        values.setdefault(f.key, False if f.kind == "check" else "")
+    for f in FIELDS:
+        if f.key in config and (not _shown(f, values) or (f.kind == "check" and config[f.key] is False)):
+            extra[f.key] = config[f.key]
+    return values, extra
+
+
+def _shown(f: Field, values: dict[str, Any]) -> bool:
+    if not f.when:
+        return True
+    controller, *allowed = f.when
+    value = values.get(controller)
+    return (FIELD_BY_KEY[controller].default if value in (None, "") else value) in allowed
+
+
+def _typed(f: Field, value: Any) -> Any:
+    """None for blank; numbers parsed (a text the CLI would refuse stays text, so it gets the
+    CLI's own error); a dataset list joined the way LLaMA-Factory writes it."""
+    if f.kind == "check":
+        return True if value in (True, "true", "on") else None
+    if f.kind == "datasets":
+        names = value if isinstance(value, list) else str(value).split(",")
+        names = [n.strip() for n in names if str(n).strip()]
+        return ",".join(names) or None
+    if isinstance(value, str):
+        value = value.strip()
+        if value == "":
+            return None
+        if f.kind == "number":
+            for parse in (int, float):
+                try:
+                    return parse(value)
+                except ValueError:
+                    pass
+    return value
+
+
+def to_yaml(config: dict[str, Any]) -> str:
+    """YAML in LLaMA-Factory's example layout: one ``### section`` block per group of keys."""
+    lines: list[str] = []
+    placed = set()
+    for section in SECTIONS:
+        keys = [f.key for f in FIELDS if f.section == section and f.key in config]
+        if section == "method":
+            keys = [k for k in ("do_train",) if k in config] + keys
+        if section == "output":
+            keys += [k for k in ("plot_loss",) if k in config]
+        if keys:
+            lines.append(f"### {section}")
+            lines += [_dump(k, config[k]) for k in keys]
+            lines.append("")
+            placed.update(keys)
+    rest = [k for k in config if k not in placed]
+    if rest:
+        lines.append("### more")
+        lines += [_dump(k, config[k]) for k in rest]
+    return "\n".join(lines).rstrip() + "\n"
+
+
+def write_yaml(path: str, config: dict[str, Any]) -> None:
+    """``to_yaml`` into ``path``, whole or not at all (a file being replaced is never left half-written)."""
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    partial = f"{path}.partial"
+    with open(partial, "w", encoding="utf-8") as f:
+        f.write(to_yaml(config))
+    os.replace(partial, path)
+
+
+def _dump(key: str, value: Any) -> str:
+    return yaml.safe_dump({key: value}, default_flow_style=False, sort_keys=False, allow_unicode=True).rstrip()
+
+
+def parse_yaml(text: str) -> dict[str, Any]:
+    """A YAML file's config dict, read by the CLI's own reader (duplicate keys refused, and so on)."""
+    from ..config import _load_yaml
+
+    try:
+        config = _load_yaml(text)
+    except yaml.YAMLError as exc:
+        raise UserError(f"the YAML does not parse: {exc}") from None
+    if config is None:
+        return {}
+    if not isinstance(config, dict):
+        raise UserError(f"a config is a mapping of keys to values; this YAML holds a {type(config).__name__}.")
+    return config
+
+
+def command_line(config_path: str, job_address: str | None = None) -> str:
+    """The command the Start button runs (as a Ray job) and a user could run instead."""
+    command = f"rayfactory train {shlex.quote(config_path)}"
+    if job_address:
+        command = f"rayfactory submit {shlex.quote(config_path)} --address {shlex.quote(job_address)}"
+    return command
+
+
+def validate(config: dict[str, Any]) -> dict[str, str] | None:
+    """None when the CLI would accept ``config``, else {"key": the field it names, "message": its paragraph}."""
+    from fabric.data_pipeline import check_data
+    from registries.datasets.info import get_dataset_attrs
+
+    from ..config import load_config
+
+    try:
+        cfg = load_config(dict(config), purpose="train")
+    except UserError as exc:
+        message = str(exc)
+        return {"key": _named_key(message, config), "message": message}
+    except (TypeError, ValueError) as exc:  # a dataclass's own check, worded for the developer
+        return {"key": _named_key(str(exc), config), "message": str(exc)}
+    for key in ("dataset", "eval_dataset"):  # an unknown name fails here, not minutes later in the job
+        try:
+            get_dataset_attrs(getattr(cfg.data, key), cfg.data.dataset_dir)
+        except UserError as exc:
+            return {"key": key, "message": f"{key}: {exc}"}
+    try:  # the driver's own data checks: a dataset is set, fits the stage, its files exist
+        check_data(cfg.data, cfg.job_spec().stage)
+    except UserError as exc:
+        return {"key": "dataset", "message": str(exc)}
+    return None
+
+
+def _named_key(message: str, config: dict[str, Any]) -> str:
+    """Where the page shows a config error: the first key of the config it quotes (its field, or
+    the "more keys" box for a key without one), else the first field it names."""
+    quoted = re.findall(r"'([a-z_0-9]+)'", message)
+    for candidate in quoted:
+        if candidate in config:
+            return candidate if candidate in FIELD_BY_KEY else "extra"
+    words = re.findall(r"\b([a-z][a-z_0-9]+)\b", message)
+    for candidate in quoted + words:
+        if candidate in FIELD_BY_KEY:
+            return candidate
+    return ""

@@ -1,0 +1,158 @@
+"""Runs started from the page: each one a Ray job running ``rayfactory train <config>``.
+
+A Ray job lives in the cluster, not in this server: closing the browser, or stopping the web UI,
+leaves it running. With no job address the UI starts a Ray head of its own on this machine
+(``cluster/local_head.py``, dashboard on 127.0.0.1, recorded in the share dir so a restarted UI
+finds it again) and the job runs from the folder the UI was started in, so relative paths in the
+config (dataset_dir, output_dir) mean what they mean to ``rayfactory train`` run there. With an
+address the checkout is uploaded as the job's working dir, as ``rayfactory submit`` does.
+
+Progress comes from the run's own ``trainer_log.jsonl``, the console from Ray's job logs.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shlex
+import sys
+import time
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from registries.errors import UserError
+
+from ..local_head import Head, start_head
+from ..submit import REPO_ROOT, config_argument, runtime_env
+from .form import write_yaml
+
+HEAD_FILE = "ray-head.json"
+LOG_TAIL_CHARS = 6000
+ENDED = ("SUCCEEDED", "FAILED", "STOPPED")
+
+
+@dataclass
+class Run:
+    job_id: str
+    address: str
+    config_path: str
+    output_dir: str  # absolute, as seen from this machine
+    started: float
+
+
+class Runs:
+    def __init__(self, share_dir: str, job_address: str | None = None, cwd: str | None = None):
+        self.share_dir = os.path.abspath(share_dir)
+        self.job_address = job_address
+        self.cwd = os.path.abspath(cwd or os.getcwd())
+        os.makedirs(os.path.join(self.share_dir, "runs"), exist_ok=True)
+        os.makedirs(os.path.join(self.share_dir, "configs"), exist_ok=True)
+
+    # --- the cluster --------------------------------------------------------------------
+
+    def address(self) -> str:
+        """The job server: the configured one, else this machine's head (started on first use)."""
+        if self.job_address:
+            return self.job_address
+        path = os.path.join(self.share_dir, HEAD_FILE)
+        head = Head.load(path)
+        if head is None:
+            head = start_head(self._head_env(), num_cpus=max(4, os.cpu_count() or 1))
+            head.save(path)
+        return head.dashboard_url
+
+    def local_head(self) -> Head | None:
+        return Head.load(os.path.join(self.share_dir, HEAD_FILE))
+
+    def _head_env(self) -> dict[str, str]:
+        # The head listens on 127.0.0.1 only, so it needs no token; RAY_* settings of this shell
+        # (an address, a token mode) are about other clusters.
+        env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_")}
+        env["RAY_AUTH_MODE"] = "disabled"
+        env["PATH"] = os.path.dirname(sys.executable) + os.pathsep + env.get("PATH", "")
+        return env
+
+    def _client(self, address: str | None = None):
+        from ray.job_submission import JobSubmissionClient
+
+        return JobSubmissionClient(address or self.address())
+
+    # --- runs -----------------------------------------------------------------------------
+
+    def config_path(self, config: dict[str, Any]) -> str:
+        """Where the Start button saves the config: one file per output_dir."""
+        name = str(config.get("output_dir") or "run").strip("/").replace("/", "_") or "run"
+        return os.path.join(self.share_dir, "configs", f"{name}.yaml")
+
+    def start(self, config: dict[str, Any]) -> Run:
+        path = self.config_path(config)
+        write_yaml(path, config)
+        address = self.address()
+        job_id = f"rayfactory-webui-{time.strftime('%Y%m%d-%H%M%S')}-{os.urandom(2).hex()}"
+        if self.job_address:  # a remote cluster: upload this checkout, as `rayfactory submit` does
+            entrypoint = f"python -m cluster.cli train {shlex.quote(config_argument(path, REPO_ROOT))}"
+            env = {**runtime_env(), "working_dir": REPO_ROOT}
+        else:
+            entrypoint = (f"cd {shlex.quote(self.cwd)} && {shlex.quote(sys.executable)} -m cluster.cli train "
+                          f"{shlex.quote(path)}")
+            env = {"env_vars": {"PYTHONPATH": REPO_ROOT}}
+        self._client(address).submit_job(entrypoint=entrypoint, runtime_env=env, submission_id=job_id)
+        output_dir = os.path.join(self.cwd, str(config.get("output_dir", "")))
+        run = Run(job_id, address, path, os.path.abspath(output_dir), time.time())
+        with open(self._record(job_id), "w", encoding="utf-8") as f:
+            json.dump(asdict(run), f)
+        return run
+
+    def get(self, job_id: str) -> Run:
+        try:
+            with open(self._record(job_id), encoding="utf-8") as f:
+                return Run(**json.load(f))
+        except (OSError, ValueError, TypeError):
+            raise UserError(f"no run {job_id!r} was started from this web UI (share dir {self.share_dir}).") from None
+
+    def all(self) -> list[Run]:
+        """Every run started from this share dir, the latest first."""
+        folder = os.path.join(self.share_dir, "runs")
+        found = [self.get(name[: -len(".json")]) for name in os.listdir(folder) if name.endswith(".json")]
+        return sorted(found, key=lambda run: run.started, reverse=True)
+
+    def status(self, job_id: str) -> dict[str, Any]:
+        """The job's state, its trainer_log.jsonl records and the tail of its console."""
+        from stages.callbacks import read_log
+
+        run = self.get(job_id)
+        client = self._client(run.address)
+        state = str(client.get_job_status(job_id).value)
+        logs = client.get_job_logs(job_id)
+        records = read_log(run.output_dir)
+        last = next((r for r in reversed(records) if "current_steps" in r), {})
+        return {
+            "job_id": job_id,
+            "status": state,
+            "ended": state in ENDED,
+            "output_dir": run.output_dir,
+            "step": last.get("current_steps", 0),
+            "total": last.get("total_steps"),
+            "remaining_s": last.get("remaining_time"),
+            "records": records,
+            "console": logs[-LOG_TAIL_CHARS:],
+        }
+
+    def stop(self, job_id: str) -> bool:
+        run = self.get(job_id)
+        return bool(self._client(run.address).stop_job(job_id))
+
+    def resume(self, job_id: str) -> Run:
+        """The same config again, from the latest complete checkpoint in its output_dir."""
+        from .form import parse_yaml
+
+        run = self.get(job_id)
+        with open(run.config_path, encoding="utf-8") as f:
+            config = parse_yaml(f.read())
+        config["resume_from_checkpoint"] = "auto"
+        return self.start(config)
+
+    def _record(self, job_id: str) -> str:
+        if not job_id.replace("-", "").isalnum():
+            raise UserError(f"{job_id!r} is not a job id this web UI makes.")
+        return os.path.join(self.share_dir, "runs", f"{job_id}.json")

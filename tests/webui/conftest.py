@@ -1,0 +1,85 @@
+"""The web UI as a user meets it: `rayfactory webui` in a subprocess, driven by headless Chromium.
+
+The browser is Debian's chromium with its chromedriver (scripts/install_browser.sh, which the
+test command runs). Without them the browser tests skip with that reason, except under CI=true,
+where they fail: the UI is never left untested by CI. Screenshots of each tab go to
+test-artifacts/webui/ (or $RAYFACTORY_TEST_ARTIFACTS/webui).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import time
+import urllib.request
+
+import pytest
+
+from cluster.local_head import Head, free_port, stop_head
+
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
+CHROMEDRIVER = shutil.which("chromedriver")
+ARTIFACTS = os.path.join(os.environ.get("RAYFACTORY_TEST_ARTIFACTS") or os.path.join(REPO_ROOT, "test-artifacts"),
+                         "webui")
+SERVER_START_TIMEOUT_S = 90
+
+
+def _in_ci() -> bool:
+    return os.environ.get("CI", "").strip().lower() in ("true", "1", "yes")
+
+
+@pytest.fixture(scope="session")
+def webui(tmp_path_factory):
+    """(url, share_dir, cwd) of a running `rayfactory webui`; its Ray head is stopped at the end."""
+    cwd = tmp_path_factory.mktemp("webui-cwd")
+    share = cwd / "share"
+    port = free_port()
+    env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_")}
+    env["PYTHONPATH"] = REPO_ROOT
+    log = open(cwd / "webui.log", "w")
+    process = subprocess.Popen(
+        [sys.executable, "-m", "cluster.cli", "webui", "--port", str(port), "--share-dir", str(share)],
+        cwd=cwd, env=env, stdout=log, stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.time() + SERVER_START_TIMEOUT_S
+    while True:
+        try:
+            urllib.request.urlopen(url + "/api/spec", timeout=5)
+            break
+        except OSError:
+            if process.poll() is not None or time.time() > deadline:
+                raise RuntimeError(f"rayfactory webui did not start:\n{(cwd / 'webui.log').read_text()[-3000:]}")
+            time.sleep(0.5)
+    yield url, str(share), str(cwd)
+    process.terminate()
+    process.wait(timeout=30)
+    head = Head.load(os.path.join(share, "ray-head.json"))
+    if head is not None:
+        stop_head(head)
+
+
+@pytest.fixture(scope="session")
+def browser():
+    if not (CHROMIUM and CHROMEDRIVER):
+        reason = ("headless Chromium is not installed (Debian: apt-get install chromium chromium-driver; "
+                  "scripts/install_browser.sh does it and the test command runs that)")
+        if _in_ci():
+            pytest.fail(reason)
+        pytest.skip(reason)
+    from selenium import webdriver
+    from selenium.webdriver.chrome.options import Options
+    from selenium.webdriver.chrome.service import Service
+
+    options = Options()
+    options.binary_location = CHROMIUM
+    for arg in ("--headless=new", "--no-sandbox", "--disable-dev-shm-usage", "--window-size=1400,1700"):
+        options.add_argument(arg)
+    driver = webdriver.Chrome(service=Service(CHROMEDRIVER), options=options)
+    driver.implicitly_wait(0)
+    os.makedirs(ARTIFACTS, exist_ok=True)
+    driver.artifacts = ARTIFACTS  # where the tests save their screenshots
+    yield driver
+    driver.quit()
