@@ -83,6 +83,12 @@ def apply_lf_compat(values: dict[str, Any], origin: dict[str, str]) -> list[str]
                 "the training steps). For a step count use warmup_steps."
             )
         move("warmup_ratio", ratio, "warmup_steps", float(ratio))
+    if "group_by_length" in values:  # transformers 5 made it one choice of train_sampling_strategy
+        where = origin["group_by_length"]
+        if coerce_key("group_by_length", values.pop("group_by_length"), bool, where):
+            move("group_by_length", True, "train_sampling_strategy", "group_by_length")
+        else:
+            notes.append(f"ignored 'group_by_length: false' from {where}: batches are sampled at random by default.")
     if "disable_gradient_checkpointing" in values:
         # LLaMA-Factory checkpoints unless told not to; here the memory planner decides when
         # gradient_checkpointing is unset (stages/memory_plan.py), so only a true says something.

@@ -137,7 +137,7 @@ def create_app(share_dir: str, token: str | None = None, job_address: str | None
 
     @app.post("/api/chat")
     def chat(body: dict = Body(...)):
-        model = chats.get(_model_keys(body))
+        model = chats.get(_model_keys(body, runs.cwd))
         settings = {k: _number(body.get(k)) for k in ("temperature", "max_new_tokens", "top_p")}
         pieces = model.stream_chat(body.get("messages") or [], body.get("system") or None, **settings)
         return StreamingResponse(pieces, media_type="text/plain; charset=utf-8")
@@ -155,8 +155,13 @@ def _form_config(body: dict[str, Any]) -> dict[str, Any]:
     return form.config_from_form(body.get("values") or {}, extra)
 
 
-def _model_keys(body: dict[str, Any]) -> dict[str, Any]:
+def _model_keys(body: dict[str, Any], cwd: str) -> dict[str, Any]:
+    """The model keys the Chat or Export tab sends; a folder under the UI's folder by its full path
+    (``saves/run`` would otherwise read as a hub id, as in LLaMA-Factory's org/name)."""
     keys = {k: str(body.get(k) or "").strip() for k in ("model_name_or_path", "adapter_name_or_path", "template")}
+    for key in ("model_name_or_path", "adapter_name_or_path"):
+        if keys[key] and os.path.isdir(os.path.join(cwd, keys[key])):
+            keys[key] = os.path.join(cwd, keys[key])
     return {k: v for k, v in keys.items() if v}
 
 
@@ -177,14 +182,18 @@ class _ChatCache:
 
     def get(self, keys: dict[str, Any]):
         from ..api import ChatModel
+        from ..config import load_config
+        from ..driver import check_local_paths
 
         key = tuple(sorted(keys.items()))
         with self.lock:
             if key != self.key:
+                cfg = load_config(dict(keys), purpose="infer")
+                check_local_paths(cfg)  # a missing folder is named now, not taken for a hub id
                 if self.model is not None:
                     self.model.close()
                     self.model = None
-                self.model = ChatModel(keys)
+                self.model = ChatModel(cfg)
                 self.key = key
             return self.model
 
@@ -195,7 +204,7 @@ def _export(cwd: str, body: dict[str, Any]) -> dict[str, Any]:
     from ..config import load_config
     from ..driver import check_local_paths
 
-    keys = _model_keys(body)
+    keys = _model_keys(body, cwd)
     keys["export_dir"] = _inside(cwd, str(body.get("export_dir") or ""))
     if body.get("export_size"):
         keys["export_size"] = float(body["export_size"])

@@ -144,3 +144,16 @@ def test_webui_refuses_an_open_host_without_a_token():
     from cluster.cli import main
 
     assert main(["webui", "--host", "0.0.0.0", "--port", "1"]) == 2
+
+
+def test_chat_and_export_mistakes_come_back_as_the_clis_paragraphs(tmp_path):
+    from fastapi.testclient import TestClient
+
+    from cluster.webui.server import create_app
+
+    client = TestClient(create_app(str(tmp_path / "share"), cwd=str(tmp_path)))
+    chat = client.post("/api/chat", json={"model_name_or_path": "tiny:qwen2", "adapter_name_or_path": "./saves/none",
+                                          "messages": [{"role": "user", "content": "hi"}]})
+    assert chat.status_code == 400 and "saves/none" in chat.json()["error"], chat.text
+    export = client.post("/api/export", json={"model_name_or_path": "tiny:qwen2", "export_dir": ""})
+    assert export.status_code == 400 and "path is needed" in export.json()["error"], export.text
