@@ -12,8 +12,10 @@ import glob
 import json
 import os
 import sys
+import time
 
 import ray.cloudpickle
+from ray.train.v2._internal.constants import DEFAULT_HEALTH_CHECK_INTERVAL_S as HEALTH_CHECK_INTERVAL_S
 from transformers import TrainerCallback
 
 from cluster.driver import run_exp
@@ -42,6 +44,12 @@ class DieOnceAt(TrainerCallback):
     def on_step_end(self, args, state, control, **kwargs):
         if state.global_step == self.step and args.process_index == self.rank and not os.path.exists(self.marker):
             open(self.marker, "w").close()  # first, so the restarted attempt does not die again
+            # Ray Train's controller takes in reported checkpoints when it next polls the workers
+            # (every 2 s, RAY_TRAIN_HEALTH_CHECK_INTERVAL_S); a worker that dies before that poll
+            # loses its last report and the group resumes from the one before. Two steps of this
+            # tiny model take well under 2 s on a busy machine (seen in CI: a resume from step 3),
+            # so the death waits out two polls: the case under test is "the last checkpoint Ray has".
+            time.sleep(2 * HEALTH_CHECK_INTERVAL_S + 1)
             os._exit(1)
 
 
