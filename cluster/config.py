@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
-import json
 import os
 import re
 import typing
@@ -43,7 +42,12 @@ from .lf_compat import apply_lf_compat
 from .paths import resolve_paths
 from .rl_checks import check_rl
 from .serve.args import ServeArguments
-from .training_checks import check_streaming, check_trainer_checkpoint, check_training_options
+from .training_checks import (
+    check_streaming,
+    check_trainer_checkpoint,
+    check_training_options,
+    read_deepspeed_config,
+)
 
 RESOLVED_CONFIG_NAME = "rayfactory_config.yaml"
 GROUPS: dict[str, type] = {
@@ -354,33 +358,7 @@ def _check_and_resolve(run: RunConfig, where: typing.Callable[[str], str], purpo
             f"eval_strategy is {strategy!r} in {where('eval_strategy')} but there is nothing to evaluate on. "
             "Set val_size (a fraction of the training data) or eval_dataset, or set eval_strategy: no."
         )
-    ds = training.get("deepspeed")
-    if isinstance(ds, str):  # load it here: workers on other nodes may not have the file
-        if not os.path.isfile(ds):
-            raise ConfigError(
-                f"deepspeed config file {ds!r} from {where('deepspeed')} not found (looked for {os.path.abspath(ds)}; "
-                "relative paths start from the current directory). Fix the path or remove deepspeed."
-            )
-        try:
-            with open(ds, encoding="utf-8") as f:
-                training["deepspeed"] = json.load(f)
-        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-            raise ConfigError(f"deepspeed config file {ds} is not valid JSON ({exc}). Fix the file.") from None
-    ds_config = training.get("deepspeed")
-    zero_stage = ds_config.get("zero_optimization", {}).get("stage") if isinstance(ds_config, dict) else None
-    if model.quantization_bit and zero_stage == 3:
-        raise ConfigError(
-            f"quantization_bit {model.quantization_bit} (QLoRA) cannot be combined with the DeepSpeed ZeRO-3 config "
-            f"from {where('deepspeed')}: bitsandbytes weights cannot be partitioned. Use a ZeRO-2 config "
-            "(configs/deepspeed/ds_z2_config.json) or drop quantization_bit."
-        )
-    if tuning.chunked_loss and zero_stage == 3:
-        raise ConfigError(
-            f"chunked_loss is true in {where('chunked_loss')}, but the DeepSpeed ZeRO-3 config from "
-            f"{where('deepspeed')} partitions the output head's weight, which the chunked loss calls chunk by "
-            "chunk outside the model's forward. Use a ZeRO-2 config, or remove chunked_loss (null keeps the "
-            "plain loss under ZeRO-3)."
-        )
+    read_deepspeed_config(training, model, tuning, where)
     resume = training.get("resume_from_checkpoint")
     # "auto" (the latest complete checkpoint in output_dir) stays as it is: it is resolved at launch,
     # since output_dir may only get its checkpoints after this config was read (a rerun of a died run).

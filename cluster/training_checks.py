@@ -3,6 +3,7 @@ instead of a traceback from every Ray Train worker."""
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import typing
@@ -90,3 +91,35 @@ def check_trainer_checkpoint(path: str, where: typing.Callable[[str], str]) -> N
         "broken state. Point resume_from_checkpoint at an earlier checkpoint-N folder, or set "
         "resume_from_checkpoint: auto to resume from the newest complete checkpoint in output_dir."
     )
+
+
+def read_deepspeed_config(training: dict, model, tuning, where: typing.Callable[[str], str]) -> None:
+    """``deepspeed``: a file path becomes its JSON (read here: workers on other nodes may not have
+    the file), and what ZeRO-3 cannot partition is refused."""
+    ds = training.get("deepspeed")
+    if isinstance(ds, str):
+        if not os.path.isfile(ds):
+            raise ConfigError(
+                f"deepspeed config file {ds!r} from {where('deepspeed')} not found (looked for {os.path.abspath(ds)}; "
+                "relative paths start from the current directory). Fix the path or remove deepspeed."
+            )
+        try:
+            with open(ds, encoding="utf-8") as f:
+                training["deepspeed"] = json.load(f)
+        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+            raise ConfigError(f"deepspeed config file {ds} is not valid JSON ({exc}). Fix the file.") from None
+    ds_config = training.get("deepspeed")
+    zero_stage = ds_config.get("zero_optimization", {}).get("stage") if isinstance(ds_config, dict) else None
+    if model.quantization_bit and zero_stage == 3:
+        raise ConfigError(
+            f"quantization_bit {model.quantization_bit} (QLoRA) cannot be combined with the DeepSpeed ZeRO-3 config "
+            f"from {where('deepspeed')}: bitsandbytes weights cannot be partitioned. Use a ZeRO-2 config "
+            "(configs/deepspeed/ds_z2_config.json) or drop quantization_bit."
+        )
+    if tuning.chunked_loss and zero_stage == 3:
+        raise ConfigError(
+            f"chunked_loss is true in {where('chunked_loss')}, but the DeepSpeed ZeRO-3 config from "
+            f"{where('deepspeed')} partitions the output head's weight, which the chunked loss calls chunk by "
+            "chunk outside the model's forward. Use a ZeRO-2 config, or remove chunked_loss (null keeps the "
+            "plain loss under ZeRO-3)."
+        )

@@ -121,9 +121,9 @@ def config_from_form(values: dict[str, Any], extra: dict[str, Any] | None = None
         if value is None:
             if not (f.kind == "check" and config.get(f.key) is False):  # a loaded explicit false stays
                 config.pop(f.key, None)
-        elif f.key == "resources_per_worker":
-            config[f.key] = {**(config.get(f.key) or {}), "CPU": value} if isinstance(config.get(f.key), dict) \
-                else {"CPU": value}
+        elif f.key == "resources_per_worker":  # the form edits the CPUs; GPUs and others stay
+            kept = config.get(f.key)
+            config[f.key] = {**(kept if isinstance(kept, dict) else {}), "CPU": value}
         else:
             config[f.key] = value
     return config

@@ -45,6 +45,7 @@ class Runs:
         self.share_dir = os.path.abspath(share_dir)
         self.job_address = job_address
         self.cwd = os.path.abspath(cwd or os.getcwd())
+        self._clients: dict[str, Any] = {}
         os.makedirs(os.path.join(self.share_dir, "runs"), exist_ok=True)
         os.makedirs(os.path.join(self.share_dir, "configs"), exist_ok=True)
 
@@ -61,9 +62,6 @@ class Runs:
             head.save(path)
         return head.dashboard_url
 
-    def local_head(self) -> Head | None:
-        return Head.load(os.path.join(self.share_dir, HEAD_FILE))
-
     def _head_env(self) -> dict[str, str]:
         # The head listens on 127.0.0.1 only, so it needs no token; RAY_* settings of this shell
         # (an address, a token mode) are about other clusters.
@@ -73,9 +71,14 @@ class Runs:
         return env
 
     def _client(self, address: str | None = None):
+        """One client per job server: making one asks the server for its version, and the page
+        polls a run every 2 s."""
         from ray.job_submission import JobSubmissionClient
 
-        return JobSubmissionClient(address or self.address())
+        address = address or self.address()
+        if address not in self._clients:
+            self._clients[address] = JobSubmissionClient(address)
+        return self._clients[address]
 
     # --- runs -----------------------------------------------------------------------------
 
