@@ -67,6 +67,12 @@ class RoleWorker:
     def node_id(self) -> str:
         return ray.get_runtime_context().get_node_id()
 
+    def set_threads(self, requested: int | None, whole_node: bool) -> int:
+        """torch's intra-op threads in this actor (fabric/threads.py's rule); returns the count."""
+        from .threads import set_torch_threads
+
+        return set_torch_threads(requested, whole_node)
+
 
 W = TypeVar("W", bound=RoleWorker)
 

@@ -29,9 +29,10 @@ class RayArguments:
     ray_run_name: str | None = None
     ray_init_kwargs: dict[str, Any] = field(default_factory=dict)
     max_failures: int = 0  # worker-group restarts (Ray Train FailureConfig); -1 retries forever
-    # torch threads in each CPU train worker. None: a lone worker (ray_num_workers: 1, not
-    # streaming) uses every CPU Ray has on its node; several workers use their CPU share each
-    # (resources_per_worker's CPU, Ray's own rule). fabric/worker.py says why.
+    # torch threads in each CPU train worker (RL: each policy rank). None: a lone worker
+    # (ray_num_workers: 1, not streaming; RL: no critic) uses every CPU Ray has on its node;
+    # several workers use their CPU share each (resources_per_worker's CPU, Ray's own rule).
+    # fabric/threads.py says why.
     ray_threads_per_worker: int | None = None
     # Logical CPUs for a local ray.init; None lets Ray count them. Declaring more than the
     # machine has lets a streaming Ray Data pipeline run next to CPU-holding train workers.

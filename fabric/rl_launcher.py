@@ -86,6 +86,11 @@ def _attempt(run: RLRun, ray_args: RayArguments) -> dict:
     try:
         policy = _trainable_group(PolicyActor, placements["policy"], spec, ray_args, groups)
         critic = _trainable_group(CriticActor, placements["critic"], spec, ray_args, groups) if "critic" in placements else None
+        # The roles take turns (sample, score, update): a lone CPU policy beside no critic computes
+        # alone while it updates, so it takes the node's cores (a GRPO step on SmolLM2: see
+        # benchmarks/README.md); with a critic the two update side by side and keep their share.
+        policy.call_all(PolicyActor.set_threads, ray_args.ray_threads_per_worker,
+                        whole_node=not ray_args.uses_gpu and policy.size == 1 and critic is None)
         reward = None
         if "reward" in placements:
             reward = ActorGroup(RewardActor, placements["reward"], spec, name="reward")

@@ -115,7 +115,8 @@ class RayRoles(PPORoles):
 
 def _merge_reports(reports: list[dict]) -> dict[str, float]:
     """One update's metrics over the ranks: loss as the ranks' mean (each reports its share of
-    the whole batch's loss times the world size); the rest weighted by each rank's samples."""
+    the whole batch's loss times the world size); maxima as the largest; the rest weighted by each
+    rank's samples."""
     total = sum(r.get("num_samples", 0) for r in reports) or 1
     merged: dict[str, float] = {"loss": sum(r["loss"] for r in reports) / len(reports)}
     for key in reports[0]:
@@ -123,6 +124,8 @@ def _merge_reports(reports: list[dict]) -> dict[str, float]:
             continue
         if key in ("lr", "grad_norm"):  # the same on every rank after DDP's all-reduce
             merged[key] = reports[0][key]
+        elif key.endswith("_max"):
+            merged[key] = max(r[key] for r in reports)
         else:
             merged[key] = sum(r[key] * r.get("num_samples", 0) for r in reports) / total
     return merged

@@ -26,7 +26,7 @@ class WorkerPayload:
     has_eval: bool = False
     use_cpu: bool = True  # CPU workers must say so, or accelerate treats each one as a lone process
     callbacks: list["TrainerCallback"] = field(default_factory=list)
-    torch_threads: Optional[int] = None  # ray_threads_per_worker; None: the rule in _set_threads
+    torch_threads: Optional[int] = None  # ray_threads_per_worker; None: the rule in fabric/threads.py
     whole_node: bool = False  # a lone CPU worker with no stream beside it: it may use every core
 
 
@@ -40,7 +40,7 @@ def train_loop(config: dict) -> None:
     from .ray_session import quiet_ray_data
     from .streamed_shard import feed_streamed_shards
 
-    payload: WorkerPayload = config["payload"]
+    payload: WorkerPayload = ray.get(config["payload"])  # put in the object store by launch_training
     spec = payload.spec
     quiet_ray_data()
     _set_threads(payload)
@@ -213,29 +213,7 @@ def _train_as_one_process() -> None:
 
 
 def _set_threads(payload: WorkerPayload) -> None:
-    """torch's intra-op threads for this worker: ray_threads_per_worker when set; else every CPU
-    Ray has on this node for a lone worker (``whole_node``); else the worker's CPU share, which
-    Ray puts in OMP_NUM_THREADS (torch reads that only at start-up, hence the call).
+    """torch's intra-op threads for this worker (fabric/threads.py has the rule and why)."""
+    from .threads import set_torch_threads
 
-    Why a lone worker takes the node: it is the only thing computing while it trains (Ray Data
-    has finished, the driver waits), and its matmuls then run on every core, as a plain
-    LLaMA-Factory process's do. Measured in a 1-worker run on 2 cores: a 20M Qwen2 trains at
-    1.31 steps/s with 2 threads vs 0.94 with 1; the 0.2M quickstart model at 22.4 vs 23.6 (noise).
-    Several workers keep their share: more threads than cores makes spinning threads wait.
-    """
-    import torch
-
-    threads = payload.torch_threads
-    if threads is None and payload.whole_node:
-        threads = _node_cpus()
-    if threads is None:
-        threads = int(os.environ.get("OMP_NUM_THREADS", "0") or 0)
-    if threads > 0:
-        torch.set_num_threads(threads)
-
-
-def _node_cpus() -> int:
-    """The CPUs Ray counts on this worker's node, at most the cores this process may run on."""
-    node_id = ray.get_runtime_context().get_node_id()
-    ray_cpus = next((int(n["Resources"].get("CPU", 1)) for n in ray.nodes() if n["NodeID"] == node_id), 1)
-    return max(1, min(ray_cpus, len(os.sched_getaffinity(0))))
+    set_torch_threads(payload.torch_threads, payload.whole_node)

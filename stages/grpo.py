@@ -63,15 +63,15 @@ def _update(roles, samples: list[RolloutSample], rl, temperature: float, timer: 
         with timer("reference"):
             for sample, ref in zip(samples, roles.reference_logprobs(samples)):
                 sample.ref_logprobs = ref
-    # The sampling policy's log-probs: the ratio's denominator when the batch is reused
-    # (num_iterations > 1; with one update the current log-probs, detached, are exact), and at
-    # temperature 1 (where the sampler reports the same quantity) a check on the weight sync.
-    if rl.num_iterations > 1 or temperature == 1.0:
+    # The sampling policy's log-probs, the ratio's denominator when the batch is reused
+    # (num_iterations > 1), and at temperature 1 (where the sampler reports the same quantity) a
+    # check on the weight sync. With one update the current log-probs, detached, are exact, and
+    # the update itself reports the check (PolicyWorker.update): no pass of its own.
+    if rl.num_iterations > 1:
         with timer("old_logprobs"):
             old = roles.policy_logprobs(samples)
-        if rl.num_iterations > 1:
-            for sample, logprobs in zip(samples, old):
-                sample.old_logprobs = logprobs
+        for sample, logprobs in zip(samples, old):
+            sample.old_logprobs = logprobs
         if temperature == 1.0:
             checks = rollout_logprob_gap(samples, old)
     normalizer = loss_normalizer(rl.loss_type, [len(s.completion_ids) for s in samples], rl.max_completion_length)

@@ -92,8 +92,20 @@ class PolicyWorker(TrainableRole):
 
     def update(self, samples: list[RolloutSample], normalizer: float) -> dict:
         """One optimizer step on this rank's share of the step's samples; ``normalizer`` is the
-        whole step's (every rank's) loss denominator (algorithms.loss_normalizer)."""
-        return self._optimizer_step(samples, lambda chunk: self._chunk_loss(chunk, normalizer))
+        whole step's (every rank's) loss denominator (algorithms.loss_normalizer).
+
+        When the samples carry no old log-probs (one update per rollout: the policy that sampled
+        is the one being updated) and the sampler ran at temperature 1, the update's own forward
+        is the weight-sync check (rollout_logprob_diff): the log-probs it computes before the
+        optimizer step are what a separate no-grad pass would give (dropout aside), so that pass,
+        a quarter of a GRPO step on CPU, is not run."""
+        self._sampled_policy_logprobs: list[list[float]] = []
+        metrics = self._optimizer_step(samples, lambda chunk: self._chunk_loss(chunk, normalizer))
+        if self._sampled_policy_logprobs and self.spec.generating.temperature == 1.0:
+            from .loop import rollout_logprob_gap
+
+            metrics.update(rollout_logprob_gap(samples, self._sampled_policy_logprobs))
+        return metrics
 
     def _chunk_loss(self, chunk: list[RolloutSample], normalizer: float):
         from .algorithms import policy_loss
@@ -106,7 +118,11 @@ class PolicyWorker(TrainableRole):
                                             temperature=self.spec.generating.temperature, micro_batch_size=len(chunk)))
         mask = completion_mask(completions)
         # One update per rollout (num_iterations 1): the old policy is the current one, ratio 1.
-        old = pad_rows([torch.tensor(s.old_logprobs) for s in chunk]) if chunk[0].old_logprobs else logp.detach()
+        if chunk[0].old_logprobs:
+            old = pad_rows([torch.tensor(s.old_logprobs) for s in chunk])
+        else:
+            old = logp.detach()
+            self._sampled_policy_logprobs += [row[: len(s.completion_ids)].tolist() for row, s in zip(old, chunk)]
         ref = pad_rows([torch.tensor(s.ref_logprobs) for s in chunk]) if self.kl_loss_coef > 0 else None
         if chunk[0].token_advantages:  # PPO's GAE: one advantage per token
             advantages = pad_rows([torch.tensor(s.token_advantages) for s in chunk])

@@ -85,12 +85,26 @@ def digit_ratio(prompts, completions, **kwargs):
     return out
 
 
+def final_number(prompts, completions, reference, **kwargs):
+    """1.0 if the last integer in the completion equals the reference's, else 0.0; None as in
+    exact_match. A graded check for a chatty model: "1 + 7 = 8" and "The answer is 8." both count,
+    so a real instruct model that already answers some sums right gets a signal in every group,
+    where exact_match (the bare number) gives it none."""
+    _need_references("final_number", reference)
+    out = []
+    for c, ref in zip(completions, reference):
+        wanted = _INTEGER.findall(ref)
+        found = _INTEGER.findall(c)
+        out.append(None if not wanted else float(bool(found) and int(found[-1]) == int(wanted[-1])))
+    return out
+
+
 def short_answer(prompts, completions, completion_ids, **kwargs):
     """1 - min(tokens / SHORT_ANSWER_TOKENS, 1): the shorter the completion, the better (learnt fast)."""
     return [1.0 - min(len(ids) / SHORT_ANSWER_TOKENS, 1.0) for ids in completion_ids]
 
 
-for _fn in (exact_match, starts_with_answer, number_format, digit_ratio, short_answer):
+for _fn in (exact_match, starts_with_answer, final_number, number_format, digit_ratio, short_answer):
     register_reward(_fn.__name__, _fn)
 
 

@@ -54,6 +54,8 @@ def test_grpo_example_learns_its_format_reward_through_vllm_with_two_policy_work
         assert key in last, key
     assert last["kl"] > 0  # the policy moved away from its reference
     assert last["rollout_logprob_diff"] < 1e-4  # the engine sampled from the policy's current weights
+    # One update per rollout: the update's own forward is the sync check, no old-log-prob pass.
+    assert not any("time/old_logprobs" in r for r in read_log(result.output_dir))
     for name in ("model.safetensors", "tokenizer.json", "chat_template.jinja", "all_results.json",
                  "rayfactory_config.yaml", "trainer_log.jsonl"):
         assert (out / name).exists(), name
@@ -63,14 +65,18 @@ def test_grpo_example_learns_its_format_reward_through_vllm_with_two_policy_work
 def test_grpo_lora_engine_samples_from_the_merged_adapter_at_every_step(ray_session, tmp_path):
     """configs/grpo_lora.yaml on 2 policy workers: after every update the adapter is merged into the
     engine's weights, so the log-probs the engine reports for its samples equal the LoRA policy's
-    (a sync that silently kept the base weights would show a gap once the adapter moved)."""
+    (a sync that silently kept the base weights would show a gap once the adapter moved). Two
+    updates per rollout (num_iterations 2): the old policy's log-probs come from a pass of their
+    own, before the updates, and are what the check compares."""
     out = tmp_path / "out"
     config = example_config("grpo_lora.yaml", tmp_path, output_dir=str(out), max_steps=6, logging_steps=1,
-                            ray_num_workers=2, eval_dataset=None, learning_rate=1e-2)
+                            ray_num_workers=2, eval_dataset=None, learning_rate=1e-2, num_iterations=2)
     result = run_exp(config)
 
     steps = [r for r in read_log(result.output_dir) if r.get("current_steps", 0) > 0 and "reward" in r]
     assert len(steps) == 6
+    assert all("time/old_logprobs" in r for r in steps)
+    assert any(r["ratio_mean"] != 1.0 for r in steps)  # the second update sees a moved policy
     assert steps[-1]["kl"] > 1e-3  # the adapter moved the policy away from its base ...
     assert all(r["rollout_logprob_diff_max"] < 1e-4 for r in steps), [r["rollout_logprob_diff_max"] for r in steps]
     for name in ("adapter_model.safetensors", "adapter_config.json", "chat_template.jinja", "all_results.json"):

@@ -11,6 +11,7 @@ from stages.rl.rewards import (
     REWARDS,
     RewardFunctionError,
     exact_match,
+    final_number,
     load_reward_funcs,
     digit_ratio,
     number_format,
@@ -74,9 +75,12 @@ COLUMNS = {
 
 
 def test_builtins():
-    assert {"exact_match", "starts_with_answer", "number_format", "short_answer"} <= set(REWARDS)
+    assert {"exact_match", "starts_with_answer", "final_number", "number_format", "short_answer"} <= set(REWARDS)
     assert exact_match(PROMPTS, COMPLETIONS, COLUMNS["reference"]) == [1.0, 0.0, 0.0, None]
     assert starts_with_answer(PROMPTS, COMPLETIONS, COLUMNS["reference"]) == [1.0, 1.0, 0.0, None]
+    assert final_number(PROMPTS, COMPLETIONS, COLUMNS["reference"]) == [1.0, 1.0, 0.0, None]
+    chatty = ["1 + 7 = 8", "1 + 7 = 8, not 9", "8 is 1 + 7", "The answer is 08.", "-8", "x"]
+    assert final_number(PROMPTS[:1] * 6, chatty, ["8", "8", "8", "8", "-8", "8"]) == [1.0, 0.0, 0.0, 1.0, 1.0, 0.0]
     assert number_format(PROMPTS, COMPLETIONS) == [1.0, 0.0, 0.0, 1.0]
     assert number_format(PROMPTS, ["+3", "3.5", "", "1 2"]) == [1.0, 0.0, 0.0, 0.0]
     assert digit_ratio(PROMPTS, ["42", "a1", " 1 2 ", "", "x"]) == [1.0, 0.5, 1.0, 0.0, 0.0]
