@@ -112,6 +112,9 @@ TRAINED_ELSEWHERE = {
     "smollm2_lora_kto.yaml": "test_demo_preferences.py",
     "smollm2_lora_orpo.yaml": "test_demo_preferences.py",
     "smollm2_lora_rm.yaml": "test_demo_preferences.py",
+    # GRPO on the real model: ~1 min of start-up (vLLM + policy) and ~30 s a step here; the
+    # tiny-model GRPO tests cover the pipeline in the default suite, this one runs whole (slow).
+    "smollm2_lora_grpo.yaml": "test_demo_grpo.py",
 }
 # Run one after another: on 2 cores, three runs at once in threads took as long (183 s vs 175 s)
 # and a failure would no longer name its config.
