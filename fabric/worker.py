@@ -39,11 +39,12 @@ def train_loop(config: dict) -> None:
 
     from .ray_session import quiet_ray_data
     from .streamed_shard import feed_streamed_shards
+    from .threads import set_torch_threads
 
     payload: WorkerPayload = ray.get(config["payload"])  # put in the object store by launch_training
     spec = payload.spec
     quiet_ray_data()
-    _set_threads(payload)
+    set_torch_threads(payload.torch_threads, payload.whole_node)  # fabric/threads.py has the rule and why
 
     train = streamed_train_shard(spec) if spec.data.streaming else shard_to_hf_dataset("train")
     evaluation = shard_to_hf_dataset("eval") if payload.has_eval else None
@@ -210,10 +211,3 @@ def _train_as_one_process() -> None:
     DeepSpeed keeps them: it reads its rank from there."""
     for name in ("LOCAL_RANK", "RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE"):
         os.environ.pop(name, None)
-
-
-def _set_threads(payload: WorkerPayload) -> None:
-    """torch's intra-op threads for this worker (fabric/threads.py has the rule and why)."""
-    from .threads import set_torch_threads
-
-    set_torch_threads(payload.torch_threads, payload.whole_node)
