@@ -3,7 +3,8 @@
     .venv/bin/python benchmarks/dpo_throughput.py            # every case, prints a table
     .venv/bin/python benchmarks/dpo_throughput.py --cases 20m-full-sigmoid,20m-full-simpo --steps 20
 
-Cases, one Ray Train worker with 1 CPU each, on the addition preference pairs (arith_pref):
+Cases, one Ray Train worker with 1 CPU unless named ``-2w``, on the addition preference pairs
+(arith_pref), 16 pairs per optimizer step in all (split across the workers):
 
 * ``tiny-lora-sigmoid``: configs/dpo_lora.yaml as is (tiny Qwen2-style model, 0.2M params);
   the reference is the base with the adapter off.
@@ -12,7 +13,8 @@ Cases, one Ray Train worker with 1 CPU each, on the addition preference pairs (a
   model (as in train_throughput.py): full DPO (policy + reference copy), LoRA DPO (one model),
   and SimPO (no reference at all), so the reference's cost in time and memory shows.
 * ``smollm2-lora-sigmoid``: the real SmolLM2-135M-Instruct (``demo:smollm2-135m-instruct``),
-  LoRA r8 DPO, 16 pairs per step: what a user of a real small model sees.
+  LoRA r8 DPO, 16 pairs per step: what a user of a real small model sees;
+  ``smollm2-lora-sigmoid-2w``: the same on 2 workers, 8 pairs each.
 
 Each case runs in a fresh child process with its own local Ray; memory is that whole process
 tree's peak (see harness.py). Figures, not asserts: on a shared machine they vary.
@@ -33,11 +35,14 @@ CASES = {
     "20m-lora-sigmoid": ("20m", "lora", "sigmoid"),
     "20m-full-simpo": ("20m", "full", "simpo"),
     "smollm2-lora-sigmoid": ("smollm2", "lora", "sigmoid"),
+    "smollm2-lora-sigmoid-2w": ("smollm2", "lora", "sigmoid"),
 }
+WORKERS = {"smollm2-lora-sigmoid-2w": 2}  # cases not named here run on 1 worker
 DEFAULT_STEPS = {"tiny": 60, "20m": 20, "smollm2": 10}
-PAIRS_PER_STEP = 16  # per_device_train_batch_size of configs/dpo_lora.yaml, 1 worker
+PAIRS_PER_STEP = 16  # pairs per optimizer step over all workers (configs/dpo_lora.yaml's batch, 1 worker)
 COLUMNS = [
-    ("case", "case", "{}"), ("params", "params_m", "{:.1f}M"), ("steps", "steps", "{}"),
+    ("case", "case", "{}"), ("params", "params_m", "{:.1f}M"), ("workers", "workers", "{}"),
+    ("steps", "steps", "{}"),
     ("pairs/s", "pairs_per_s", "{:.1f}"), ("train tokens/s", "tokens_per_s", "{:,.0f}"),
     ("time to first step", "time_to_first_step_s", "{:.1f} s"), ("total wall", "wall_s", "{:.1f} s"),
     ("peak PSS (all procs)", "peak_tree_pss_gib", "{:.2f} GiB"),
@@ -47,8 +52,9 @@ COLUMNS = [
 
 def case_config(name: str, steps: int, model_path: str | None, out_dir: str) -> dict:
     model, finetuning_type, pref_loss = CASES[name]
-    config = timed_config("dpo_lora.yaml", out_dir, steps, pref_loss=pref_loss,
-                          per_device_train_batch_size=PAIRS_PER_STEP)
+    workers = WORKERS.get(name, 1)
+    config = timed_config("dpo_lora.yaml", out_dir, steps, pref_loss=pref_loss, ray_num_workers=workers,
+                          per_device_train_batch_size=PAIRS_PER_STEP // workers)
     if pref_loss == "simpo":
         config.update(pref_beta=2.0, simpo_gamma=0.5)
     if finetuning_type == "full":
@@ -67,6 +73,7 @@ def case_config(name: str, steps: int, model_path: str | None, out_dir: str) -> 
 def run_case(name: str, steps: int, model_path: str | None) -> dict:
     with tempfile.TemporaryDirectory(prefix=f"bench-dpo-{name}-") as out_dir:
         figures = measure_run(case_config(name, steps, model_path, out_dir))
+    figures["workers"] = WORKERS.get(name, 1)
     steady = figures["steady_s"]
     figures["pairs_per_s"] = (figures["steps"] - 1) * PAIRS_PER_STEP / steady if steady else None
     return figures
