@@ -8,11 +8,12 @@ from typing import TYPE_CHECKING, Callable, Iterable
 
 import ray
 from ray.train import CheckpointConfig, DataConfig, FailureConfig, RunConfig, ScalingConfig
-from ray.train.torch import TorchConfig, TorchTrainer
+from ray.train.torch import TorchConfig
 
 from stages.job import JobSpec
 
 from .args import RayArguments
+from .lean_trainer import LeanTorchTrainer
 from .progress import ProgressRelay
 from .worker import WorkerPayload, train_loop
 
@@ -30,13 +31,21 @@ def launch_training(
     ``progress``, if given, is called on the driver with each of rank 0's Trainer log records."""
     training = spec.training
     relay = ProgressRelay(progress)
+    streaming = spec.data.streaming
+    # A tokenized dataset goes to every worker whole, as its blocks' object refs: the Trainer's
+    # sampler shards (see worker.hf_dataset). Rows arrive in the tokenized order, which exact
+    # resume and worker-count parity rely on. Only a stream goes through Ray Train's ingest,
+    # which splits it: each worker pulls its own share (fabric/streamed_shard.py).
+    datasets = {"train": train_ds} if streaming else {}
+    blocks = {} if streaming else {"train": train_ds.to_arrow_refs()}
+    if eval_ds is not None:
+        blocks["eval"] = eval_ds.to_arrow_refs()
     payload = WorkerPayload(
-        spec, has_eval=eval_ds is not None, use_cpu=not ray_args.uses_gpu, callbacks=[*callbacks, *relay.callbacks],
+        spec, blocks=blocks, use_cpu=not ray_args.uses_gpu, callbacks=[*callbacks, *relay.callbacks],
         torch_threads=ray_args.ray_threads_per_worker,
-        whole_node=ray_args.ray_num_workers == 1 and not ray_args.uses_gpu and not spec.data.streaming,
+        whole_node=ray_args.ray_num_workers == 1 and not ray_args.uses_gpu and not streaming,
     )
-    datasets = {"train": train_ds} | ({"eval": eval_ds} if eval_ds is not None else {})
-    trainer = TorchTrainer(
+    trainer = LeanTorchTrainer(
         train_loop_per_worker=train_loop,
         # In the object store, so that Ray Train's controller, which holds the config, never
         # unpickles it: the spec and the callbacks would import transformers and peft there, on
@@ -50,12 +59,7 @@ def launch_training(
             placement_strategy=ray_args.placement_strategy,
         ),
         datasets=datasets,
-        # Not split by Ray: the Trainer's sampler shards (see worker.shard_to_hf_dataset); rows
-        # arrive in the tokenized order, which exact resume and worker-count parity rely on.
-        # A stream is split by Ray: each worker pulls its own share (fabric/streamed_shard.py).
-        dataset_config=DataConfig(
-            datasets_to_split=["train"] if spec.data.streaming else [], execution_options=_ordered_ingest()
-        ),
+        dataset_config=DataConfig(datasets_to_split=list(datasets), execution_options=_ordered_ingest()),
         run_config=RunConfig(
             name=ray_args.ray_run_name or default_run_name(training.output_dir),
             storage_path=ray_args.ray_storage_path,

@@ -51,14 +51,27 @@ def connect(ray_args: RayArguments, extra_cpus: float = 0) -> dict:
             # /tmp/ray/ray_current_cluster names, a file a stopped `ray start` or test cluster
             # leaves behind, and then refuses num_cpus.
             address = "local"
+            # No node of this Ray is ever drained, so Ray Train's preemption watcher (an actor, a
+            # process importing Ray Train: ~3.5 CPU-seconds at start-up) has nothing to watch. The
+            # controller reads the switch from this process's environment.
+            os.environ.setdefault("RAY_TRAIN_ENABLE_PREEMPTION_WATCHER", "0")
         runtime_env["env_vars"] = env_vars
         # Every worker's and actor's output comes to this process's stdout/stderr: the CLI sends
         # those to the run's log file (cluster/console.py), so nothing a worker says is lost.
         ray.init(address=address, runtime_env=runtime_env, log_to_driver=True, **kwargs)
+        _session["started_local"] = ray.get_runtime_context().gcs_address if address == "local" else None
     quiet_ray_data()
     resources = ray.cluster_resources()
     logger.debug("Ray resources: %s", {k: v for k, v in resources.items() if not k.startswith("node:")})
     return resources
+
+
+def started_local_ray() -> bool:
+    """Whether this process started the local Ray it is connected to (it ends with this process)."""
+    return ray.is_initialized() and _session["started_local"] == ray.get_runtime_context().gcs_address
+
+
+_session = {"started_local": None}  # the GCS address of the local Ray connect() started
 
 
 def quiet_state_api_pollers() -> None:

@@ -23,7 +23,9 @@ class WorkerPayload:
     """What every worker of a run gets; pickled once by Ray Train."""
 
     spec: JobSpec
-    has_eval: bool = False
+    # "train" and "eval": the tokenized dataset's blocks (object refs of pyarrow Tables, in row order);
+    # a streamed "train" is not here but in Ray Train's ingest (ray.train.get_dataset_shard).
+    blocks: dict[str, list["ray.ObjectRef"]] = field(default_factory=dict)
     use_cpu: bool = True  # CPU workers must say so, or accelerate treats each one as a lone process
     callbacks: list["TrainerCallback"] = field(default_factory=list)
     torch_threads: Optional[int] = None  # ray_threads_per_worker; None: the rule in fabric/threads.py
@@ -46,8 +48,8 @@ def train_loop(config: dict) -> None:
     quiet_ray_data()
     set_torch_threads(payload.torch_threads, payload.whole_node)  # fabric/threads.py has the rule and why
 
-    train = streamed_train_shard(spec) if spec.data.streaming else shard_to_hf_dataset("train")
-    evaluation = shard_to_hf_dataset("eval") if payload.has_eval else None
+    train = streamed_train_shard(spec) if spec.data.streaming else hf_dataset("train", payload.blocks["train"])
+    evaluation = hf_dataset("eval", payload.blocks["eval"]) if "eval" in payload.blocks else None
     if spec.training.values.get("deepspeed"):
         _join_deepspeed_comm(payload.use_cpu)
     elif ray.train.get_context().get_world_size() == 1:
@@ -69,21 +71,21 @@ def train_loop(config: dict) -> None:
     ray.train.report({k: v for k, v in metrics.items() if isinstance(v, (int, float))})
 
 
-def shard_to_hf_dataset(name: str):
+def hf_dataset(name: str, blocks: list["ray.ObjectRef"]):
     """Every worker receives the whole tokenized dataset; the Trainer's distributed sampler picks
     this rank's share. That keeps batches identical for any worker count and lets a resumed run
     skip exactly the batches it already saw."""
     import datasets
     import pyarrow as pa
 
-    shard = ray.train.get_dataset_shard(name)
-    tables = [batch for batch in shard.iter_batches(batch_size=4096, batch_format="pyarrow")]
+    tables = [table for table in ray.get(blocks) if table.num_rows]
     if not tables:
         return datasets.Dataset.from_dict({})
     # Our own fingerprint: without one, datasets hashes the whole table, pickling every column
     # with dill (slow for large data; dill also disassembles the reducer it pickles, printing
     # under a swapped stdout).
-    return datasets.Dataset(pa.concat_tables(tables), fingerprint=f"ray-{name}-{uuid.uuid4().hex}")
+    table = pa.concat_tables(tables, promote_options="default")
+    return datasets.Dataset(table, fingerprint=f"ray-{name}-{uuid.uuid4().hex}")
 
 
 def streamed_train_shard(spec: JobSpec):

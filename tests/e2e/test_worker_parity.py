@@ -76,6 +76,13 @@ def _seedable_sampler(dataloader):
     return inner
 
 
+def _actors() -> dict[str, str]:
+    """Every actor this Ray has started, dead or alive: id -> class name (from the GCS; no dashboard here)."""
+    import ray
+
+    return {actor_id: info["ActorClassName"] for actor_id, info in ray._private.state.actors().items()}
+
+
 def _losses(output_dir: str) -> list[tuple[int, float]]:
     return [(r["current_steps"], r["loss"]) for r in read_log(output_dir) if "loss" in r]
 
@@ -95,8 +102,14 @@ def two_workers(ray_session, tmp_path_factory):
 
 def test_two_workers_match_one_worker_on_the_same_global_batch(ray_session, tmp_path, two_workers):
     two_dir, _ = two_workers
+    before = _actors()
     one = run_exp(tiny_sft_config(tmp_path / "one", per_device_train_batch_size=16, max_steps=-1, num_train_epochs=1),
                   callbacks=[RecordWrapping(str(tmp_path / "wrap.json"))])
+    started = {name for actor_id, name in _actors().items() if actor_id not in before}
+    # Ray Train's controller and worker; none of the helper actors a run on its own local Ray
+    # with a tokenized dataset leaves unused (fabric/lean_trainer.py).
+    assert {"TrainController", "RayTrainWorker"} <= started, started
+    assert not started & {"DatasetManager", "PlacementGroupCleaner", "PreemptionWatcher"}, started
     # A lone worker trains unwrapped (fabric/worker.py): no all-reduce with nobody, no unused-parameter search.
     with open(tmp_path / "wrap.json", encoding="utf-8") as f:
         assert json.load(f) == {"distributed_type": "NO", "world_size": 1, "nice": 0}
