@@ -25,7 +25,9 @@ The LLaMA-Factory venv is built on first use (``--lf-venv``, default
 torch; its CUDA builds of torchvision/torchaudio are removed or set aside (they break imports
 next to a CPU torch). LLaMA-Factory runs with CUDA_VISIBLE_DEVICES="" and DISABLE_VERSION_CHECK=1
 and its own defaults (gradient checkpointing on, all cores); RayFactory with its defaults (one
-worker on a local Ray). Run on a quiet machine: figures, not asserts.
+worker on a local Ray), from a venv of its own built the same way on first use (``--rf-venv``:
+torch, then RayFactory without extras, as a user installs it; the development venv's test extras
+would add bitsandbytes to every process's imports). Run on a quiet machine: figures, not asserts.
 """
 
 from __future__ import annotations
@@ -165,6 +167,34 @@ def ensure_lf_venv(venv: str) -> str:
     return cli
 
 
+def ensure_rf_venv(venv: str) -> str:
+    """The python of a venv holding RayFactory as a user installs it (no extras), built here the first time.
+
+    Not the development venv: its test extras (bitsandbytes, deepspeed, vllm) are importable there,
+    and peft imports bitsandbytes whenever it can (~3 s more per process here, in the driver and
+    in every worker), while LLaMA-Factory's venv has neither. The venv's name carries a hash of
+    pyproject.toml, so a changed dependency list builds a new one. The run itself imports this
+    checkout (the command runs in it), whatever the venv was installed from.
+    """
+    python = os.path.join(venv, "bin", "python")
+    if os.path.exists(python):
+        return python
+    print(f"[bench] building RayFactory's own venv in {venv} (minutes, once)", file=sys.stderr, flush=True)
+    subprocess.check_call([sys.executable, "-m", "venv", venv])
+    pip = [python, "-m", "pip", "install", "-q"]
+    subprocess.check_call(pip + ["torch==2.13.0"])
+    subprocess.check_call(pip + [REPO_ROOT])
+    return python
+
+
+def default_rf_venv() -> str:
+    import hashlib
+
+    with open(os.path.join(REPO_ROOT, "pyproject.toml"), "rb") as f:
+        digest = hashlib.sha256(f.read()).hexdigest()[:10]
+    return os.path.expanduser(f"~/.cache/rayfactory/rf-plain-{digest}")
+
+
 def run_command(command: list[str], env: dict, output_dir: str, log_path: str) -> dict:
     """Run one training command; its wall time, time to the first logged step and peak PSS."""
     log = os.path.join(output_dir, "trainer_log.jsonl")
@@ -191,7 +221,7 @@ def run_command(command: list[str], env: dict, output_dir: str, log_path: str) -
             "peak_pss_gib": sampler.peak_pss / 2**30, "final_loss": losses[-1], "losses": losses}
 
 
-def run_round(name: str, config: dict, work: str, lf_cli: str, index: int) -> dict[str, dict]:
+def run_round(name: str, config: dict, work: str, lf_cli: str, rf_python: str, index: int) -> dict[str, dict]:
     import yaml
 
     figures = {}
@@ -203,7 +233,7 @@ def run_round(name: str, config: dict, work: str, lf_cli: str, index: int) -> di
         if system == "llamafactory":
             command, env = [lf_cli, "train", path], lf_environment()
         else:
-            command = [sys.executable, "-m", "cluster.cli", "train", path]
+            command = [rf_python, "-m", "cluster.cli", "train", path]
             env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}  # a local Ray of its own
         print(f"[bench] {name} round {index + 1}: {system} ...", file=sys.stderr, flush=True)
         figures[system] = run_command(command, env, output_dir, os.path.join(work, f"{system}-{index}.log"))
@@ -234,14 +264,18 @@ def main() -> int:
                         help="comma-separated, from: tiny-lora, 9m-full, smollm2-lora")
     parser.add_argument("--rounds", type=int, default=3, help="runs of each system per case; medians are reported")
     parser.add_argument("--lf-venv", default=DEFAULT_LF_VENV, help="LLaMA-Factory's venv (built when missing)")
+    parser.add_argument("--rf-venv", default=None,
+                        help="RayFactory's venv, as a user installs it (no extras; built when missing; default "
+                             "~/.cache/rayfactory/rf-plain-<hash of pyproject.toml>), or 'current' for this interpreter's")
     parser.add_argument("--json", default=None, help="also write every run's figures to this file")
     args = parser.parse_args()
     lf_cli = ensure_lf_venv(args.lf_venv)
+    rf_python = sys.executable if args.rf_venv == "current" else ensure_rf_venv(args.rf_venv or default_rf_venv())
     table, ratios, raw = [], [], {}
     for name in [c.strip() for c in args.cases.split(",") if c.strip()]:
         with tempfile.TemporaryDirectory(prefix=f"vs-lf-{name}-") as work:
             config = case_config(name, work)
-            rounds = [run_round(name, config, work, lf_cli, i) for i in range(args.rounds)]
+            rounds = [run_round(name, config, work, lf_cli, rf_python, i) for i in range(args.rounds)]
         rows, ratio = summarize(name, rounds)
         table += rows
         ratios.append(ratio)
