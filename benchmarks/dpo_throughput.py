@@ -72,8 +72,9 @@ def case_config(name: str, steps: int, model_path: str | None, out_dir: str) -> 
 
 def run_case(name: str, steps: int, model_path: str | None) -> dict:
     with tempfile.TemporaryDirectory(prefix=f"bench-dpo-{name}-") as out_dir:
-        figures = measure_run(case_config(name, steps, model_path, out_dir))
-    figures["workers"] = WORKERS.get(name, 1)
+        config = case_config(name, steps, model_path, out_dir)
+        figures = measure_run(config)
+    figures["workers"] = config["ray_num_workers"]
     steady = figures["steady_s"]
     figures["pairs_per_s"] = (figures["steps"] - 1) * PAIRS_PER_STEP / steady if steady else None
     return figures

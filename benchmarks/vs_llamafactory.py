@@ -154,9 +154,7 @@ def ensure_lf_venv(venv: str) -> str:
     if os.path.exists(cli):
         return cli
     print(f"[bench] building LLaMA-Factory {LF_VERSION} in {venv} (minutes, once)", file=sys.stderr, flush=True)
-    pip = [os.path.join(venv, "bin", "python"), "-m", "pip", "install", "-q"]
-    subprocess.check_call([sys.executable, "-m", "venv", venv])
-    subprocess.check_call(pip + ["torch==2.13.0"])
+    pip = venv_with_torch(venv)
     with tempfile.NamedTemporaryFile("w", suffix=".txt", delete=False) as constraint:
         constraint.write("torch==2.13.0+cpu\n")
     subprocess.check_call(pip + [f"llamafactory=={LF_VERSION}", "-c", constraint.name])
@@ -172,22 +170,28 @@ def ensure_rf_venv(venv: str) -> str:
 
     Not the development venv: its test extras (bitsandbytes, deepspeed, vllm) are importable there,
     and peft imports bitsandbytes whenever it can (~3 s more per process here, in the driver and
-    in every worker), while LLaMA-Factory's venv has neither. The venv's name carries a hash of
-    pyproject.toml, so a changed dependency list builds a new one. The run itself imports this
+    in every worker), while LLaMA-Factory's venv has neither. The run itself imports this
     checkout (the command runs in it), whatever the venv was installed from.
     """
     python = os.path.join(venv, "bin", "python")
     if os.path.exists(python):
         return python
     print(f"[bench] building RayFactory's own venv in {venv} (minutes, once)", file=sys.stderr, flush=True)
-    subprocess.check_call([sys.executable, "-m", "venv", venv])
-    pip = [python, "-m", "pip", "install", "-q"]
-    subprocess.check_call(pip + ["torch==2.13.0"])
-    subprocess.check_call(pip + [REPO_ROOT])
+    subprocess.check_call(venv_with_torch(venv) + [REPO_ROOT])
     return python
 
 
+def venv_with_torch(venv: str) -> list[str]:
+    """A new venv holding the pinned CPU torch alone (installed first, so nothing pulls a CUDA build);
+    returns its ``pip install`` command."""
+    subprocess.check_call([sys.executable, "-m", "venv", venv])
+    pip = [os.path.join(venv, "bin", "python"), "-m", "pip", "install", "-q"]
+    subprocess.check_call(pip + ["torch==2.13.0"])
+    return pip
+
+
 def default_rf_venv() -> str:
+    """Named by a hash of pyproject.toml: a changed dependency list builds a new venv."""
     import hashlib
 
     with open(os.path.join(REPO_ROOT, "pyproject.toml"), "rb") as f:
