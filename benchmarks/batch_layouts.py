@@ -20,33 +20,59 @@ import time
 from harness import machine_line  # noqa: F401 (sets up the import path)
 
 
-def main() -> int:
+def bench_model(threads: int):
+    """The 9m-full case's model (hidden 256, 8 layers, random init) in training mode, with AdamW;
+    torch set to ``threads`` intra-op threads."""
     import torch
     from transformers import AutoModelForCausalLM
 
     from registries.models import build_tiny_model
-    from stages.collators import PaddingCollator, PaddingFreeCollator
 
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--steps", type=int, default=10)
-    args = parser.parse_args()
-    torch.set_num_threads(args.threads)
+    torch.set_num_threads(threads)
     with tempfile.TemporaryDirectory() as work:
         path = build_tiny_model("llama", work, hidden_size=256, num_layers=8, num_heads=4, intermediate_size=1024)
         model = AutoModelForCausalLM.from_pretrained(str(path), attn_implementation="sdpa")
     model.config.use_cache = False  # as the Trainer sets it
     model.train()
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5)
-    rng = random.Random(0)
-    vocab = model.config.vocab_size
+    return model, torch.optim.AdamW(model.parameters(), lr=1e-5)
+
+
+def random_batches(vocab: int, steps: int, seed: int = 0) -> list[list[dict]]:
+    """``steps`` batches of 8 examples of 50-210 random tokens, the loss on the second half of each."""
+    rng = random.Random(seed)
 
     def example():
         length = rng.randint(50, 210)
         ids = [rng.randrange(3, vocab) for _ in range(length)]
         return {"input_ids": ids, "attention_mask": [1] * length, "labels": [-100] * (length // 2) + ids[length // 2:]}
 
-    batches = [[example() for _ in range(8)] for _ in range(args.steps)]
+    return [[example() for _ in range(8)] for _ in range(steps)]
+
+
+def time_steps(model, optimizer, collator, batches) -> tuple[float, float]:
+    """Forward + backward + optimizer step over ``batches``: (tokens a step, mean ms a step with
+    the first two steps not counted)."""
+    times, tokens = [], 0
+    for features in batches:
+        batch = collator(features)
+        tokens += batch["input_ids"].numel()
+        start = time.perf_counter()
+        model(**batch).loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        times.append(time.perf_counter() - start)
+    return tokens / len(batches), 1000 * sum(times[2:]) / len(times[2:])
+
+
+def main() -> int:
+    from stages.collators import PaddingCollator, PaddingFreeCollator
+
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--steps", type=int, default=10)
+    args = parser.parse_args()
+    model, optimizer = bench_model(args.threads)
+    batches = random_batches(model.config.vocab_size, args.steps)
     layouts = [
         ("padded", PaddingCollator(pad_token_id=0), False),
         ("padded + gradient checkpointing", PaddingCollator(pad_token_id=0), True),
@@ -61,16 +87,8 @@ def main() -> int:
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         else:
             model.gradient_checkpointing_disable()
-        times, tokens = [], 0
-        for features in batches:
-            batch = collator(features)
-            tokens += batch["input_ids"].numel()
-            start = time.perf_counter()
-            model(**batch).loss.backward()
-            optimizer.step()
-            optimizer.zero_grad()
-            times.append(time.perf_counter() - start)
-        print(f"| {name} | {tokens / len(batches):.0f} | {1000 * sum(times[2:]) / len(times[2:]):.0f} |")
+        tokens, ms = time_steps(model, optimizer, collator, batches)
+        print(f"| {name} | {tokens:.0f} | {ms:.0f} |")
     return 0
 
 
