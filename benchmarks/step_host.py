@@ -13,6 +13,7 @@ the step's OpenMP threads. Rounds alternate the hosts, so a drifting machine tou
 from __future__ import annotations
 
 import argparse
+import contextlib
 import statistics
 import sys
 
@@ -33,7 +34,7 @@ def one_host_step(threads: int, steps: int) -> float:
 def in_ray_task(threads: int, steps: int) -> float:
     import ray
 
-    with _local_ray():
+    with local_ray():
         return ray.get(ray.remote(num_cpus=1)(one_host_step).remote(threads, steps))
 
 
@@ -47,27 +48,26 @@ def in_ray_train_worker(threads: int, steps: int) -> float:
         with open(config["out"], "w") as f:
             f.write(str(one_host_step(config["threads"], config["steps"])))
 
-    with tempfile.NamedTemporaryFile("r") as out, _local_ray():
+    with tempfile.NamedTemporaryFile("r") as out, local_ray():
         TorchTrainer(train_fn, train_loop_config={"threads": threads, "steps": steps, "out": out.name},
                      scaling_config=ScalingConfig(num_workers=1)).fit()
         return float(out.read())
 
 
-class _local_ray:
-    """A fresh local Ray for one measurement, set up as fabric/ray_session.py sets a run's own."""
+@contextlib.contextmanager
+def local_ray():
+    """A fresh local Ray for one measurement, started as a run starts its own (fabric/ray_session.py)."""
+    import ray
 
-    def __enter__(self):
-        import ray
+    from fabric.args import RayArguments
+    from fabric.ray_session import connect
+    from harness import REPO_ROOT
 
-        from harness import REPO_ROOT
-
-        ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False,
-                 runtime_env={"env_vars": {"PYTHONPATH": f"{REPO_ROOT}:{REPO_ROOT}/benchmarks"}},
-                 _system_config={"worker_niceness": 0})
-
-    def __exit__(self, *exc):
-        import ray
-
+    path = {"PYTHONPATH": f"{REPO_ROOT}:{REPO_ROOT}/benchmarks"}  # step_host and batch_layouts in the workers
+    connect(RayArguments(ray_num_cpus=2, ray_init_kwargs={"runtime_env": {"env_vars": path}}))
+    try:
+        yield
+    finally:
         ray.shutdown()
 
 

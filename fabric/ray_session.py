@@ -13,10 +13,13 @@ logger = logging.getLogger(__name__)
 
 _REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
-# Ray Train V2 makes every ray.train.report() wait for the controller's health-check tick
-# (2 s by default); with a checkpoint every few steps that dominates small runs.
+# Ray Train V2 makes every ray.train.report() (each checkpoint, and the run's end) wait for the
+# controller's health-check tick, 2 s by default: with a checkpoint every few steps that dominates
+# small runs. Each tick also wakes the controller and the worker's main thread, which take cores
+# and the GIL from the training step (at 0.1 s, 2-11% of a compute-bound step on 2 cores in
+# benchmarks/README.md, "Ray's background work"); 0.5 s wakes it a fifth as often.
 WORKER_ENV = {
-    "RAY_TRAIN_HEALTH_CHECK_INTERVAL_S": "0.1",
+    "RAY_TRAIN_HEALTH_CHECK_INTERVAL_S": "0.5",
     # Ray Train replaces print() in its workers with one that logs every call at INFO and, when
     # sys.stdout is swapped out (contextlib.redirect_stdout, dill's capture), also prints it: so
     # captured text leaks to the log and library prints (trainer.log_metrics) come out twice.
