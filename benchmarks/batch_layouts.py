@@ -49,6 +49,15 @@ def random_batches(vocab: int, steps: int, seed: int = 0) -> list[list[dict]]:
     return [[example() for _ in range(8)] for _ in range(steps)]
 
 
+def timed_step(model, optimizer, batch) -> float:
+    """Seconds for one forward + backward + optimizer step on a collated batch."""
+    start = time.perf_counter()
+    model(**batch).loss.backward()
+    optimizer.step()
+    optimizer.zero_grad()
+    return time.perf_counter() - start
+
+
 def time_steps(model, optimizer, collator, batches) -> tuple[float, float]:
     """Forward + backward + optimizer step over ``batches``: (tokens a step, mean ms a step with
     the first two steps not counted)."""
@@ -56,11 +65,7 @@ def time_steps(model, optimizer, collator, batches) -> tuple[float, float]:
     for features in batches:
         batch = collator(features)
         tokens += batch["input_ids"].numel()
-        start = time.perf_counter()
-        model(**batch).loss.backward()
-        optimizer.step()
-        optimizer.zero_grad()
-        times.append(time.perf_counter() - start)
+        times.append(timed_step(model, optimizer, batch))
     return tokens / len(batches), 1000 * sum(times[2:]) / len(times[2:])
 
 

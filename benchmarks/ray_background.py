@@ -61,23 +61,15 @@ def paused_slices(threads: int, reps: int, driver_pid: int, wanted: list[str]) -
 
     import psutil
 
-    from batch_layouts import bench_model, random_batches
+    from batch_layouts import bench_model, random_batches, timed_step
 
     from stages.collators import PaddingFreeCollator
 
     model, optimizer = bench_model(threads)
     collator = PaddingFreeCollator(pad_token_id=0)
     batches = [collator(features) for features in random_batches(model.config.vocab_size, 4)]
-
-    def step(batch) -> float:
-        start = time.perf_counter()
-        model(**batch).loss.backward()
-        optimizer.step()
-        optimizer.zero_grad()
-        return time.perf_counter() - start
-
     for batch in batches:  # warm-up: allocator, optimizer state
-        step(batch)
+        timed_step(model, optimizer, batch)
     processes = run_processes(driver_pid)
     every = [pid for pids in processes.values() for pid in pids]
     plan = {"running": []} | {name: pids for name, pids in processes.items() if name in wanted}
@@ -88,7 +80,7 @@ def paused_slices(threads: int, reps: int, driver_pid: int, wanted: list[str]) -
         for _ in range(reps):
             for name, pids in plan.items():
                 _signal(pids, signal.SIGSTOP)
-                times[name] += [step(batch) for batch in batches]
+                times[name] += [timed_step(model, optimizer, batch) for batch in batches]
                 _signal(pids, signal.SIGCONT)
                 time.sleep(SETTLE_S)
     finally:
