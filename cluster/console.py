@@ -207,9 +207,9 @@ class Console:
         try:
             if not self._ray_was_up and _ray_is_up():
                 # Now, not at exit: worker lines still in flight land in the log, not after the summary.
-                import ray
+                from fabric.ray_session import shutdown
 
-                ray.shutdown()
+                shutdown()
         finally:
             for undo in reversed(self._undo):
                 undo()

@@ -13,6 +13,7 @@ from ray.train.torch import TorchConfig
 from stages.job import JobSpec
 
 from .args import RayArguments
+from .mailbox import Mailbox
 from .lean_trainer import LeanTorchTrainer
 from .progress import ProgressRelay
 from .worker import WorkerPayload, train_loop
@@ -20,31 +21,39 @@ from .worker import WorkerPayload, train_loop
 if TYPE_CHECKING:
     from transformers import TrainerCallback
 
+    from .data_pipeline import PreparedData
+
 logger = logging.getLogger(__name__)
 
 
 def launch_training(
-    spec: JobSpec, ray_args: RayArguments, train_ds: "ray.data.Dataset", eval_ds: "ray.data.Dataset | None" = None,
+    spec: JobSpec, ray_args: RayArguments, prepare_data: Callable[[], "PreparedData"],
     callbacks: Iterable["TrainerCallback"] = (), progress: Callable[[dict], None] | None = None,
-) -> "ray.train.Result":
+) -> tuple["ray.train.Result", "PreparedData"]:
     """Fit on ``ray_num_workers`` workers; the result carries the final metrics and checkpoint.
+    ``prepare_data`` tokenizes (fabric/data_pipeline.py): called here while the workers start.
     ``progress``, if given, is called on the driver with each of rank 0's Trainer log records."""
     training = spec.training
     relay = ProgressRelay(progress)
     streaming = spec.data.streaming
-    # A tokenized dataset goes to every worker whole, as its blocks' object refs: the Trainer's
-    # sampler shards (see worker.hf_dataset). Rows arrive in the tokenized order, which exact
-    # resume and worker-count parity rely on. Only a stream goes through Ray Train's ingest,
-    # which splits it: each worker pulls its own share (fabric/streamed_shard.py).
-    datasets = {"train": train_ds} if streaming else {}
-    blocks = {} if streaming else {"train": train_ds.to_arrow_refs()}
-    if eval_ds is not None:
-        blocks["eval"] = eval_ds.to_arrow_refs()
+    if streaming:
+        # Only a stream goes through Ray Train's ingest, which splits it: each worker pulls its own
+        # share (fabric/streamed_shard.py). Preparing one is lazy (nothing is read until then), and
+        # Ray Train needs it before it starts.
+        data, handoff = prepare_data(), None
+        blocks = ray.put(_block_refs(data, with_train=False))
+    else:
+        # A tokenized dataset goes to every worker whole, as its blocks' object refs: the Trainer's
+        # sampler shards (see worker.hf_dataset). Rows arrive in the tokenized order, which exact
+        # resume and worker-count parity rely on.
+        handoff = DataHandoff(prepare_data, relay.mailbox)
+        blocks = handoff.blocks
     payload = WorkerPayload(
         spec, blocks=blocks, use_cpu=not ray_args.uses_gpu, callbacks=[*callbacks, *relay.callbacks],
         torch_threads=ray_args.ray_threads_per_worker,
         whole_node=ray_args.ray_num_workers == 1 and not ray_args.uses_gpu and not streaming,
     )
+    datasets = {"train": data.train} if streaming else {}
     trainer = LeanTorchTrainer(
         train_loop_per_worker=train_loop,
         # In the object store, so that Ray Train's controller, which holds the config, never
@@ -68,8 +77,49 @@ def launch_training(
         ),
     )
     logger.info("starting %d Ray Train workers", ray_args.ray_num_workers)  # they load the model: seconds
-    with relay:
-        return trainer.fit()
+    try:
+        with relay:
+            result = trainer.fit(while_starting=handoff and handoff.deliver)
+    finally:
+        if handoff is not None:
+            handoff.close()
+    return result, data if streaming else handoff.data
+
+
+class DataHandoff:
+    """The tokenized data's way to workers that start before it is ready: the driver tokenizes
+    while they import their libraries and load the model. ``blocks`` is the ref every worker
+    waits on (fabric/worker.py); ``deliver()``, called once the worker group is starting,
+    tokenizes and answers it."""
+
+    def __init__(self, prepare_data: Callable[[], "PreparedData"], mailbox=None):
+        self._prepare_data = prepare_data
+        self._own_mailbox = mailbox is None
+        # The progress relay's mailbox when there is one: a process fewer beside the starting workers.
+        self._mailbox = mailbox if mailbox is not None else Mailbox.remote()
+        self.blocks = self._mailbox.blocks.remote()
+        self.data: "PreparedData | None" = None
+
+    def deliver(self) -> None:
+        self.data = self._prepare_data()
+        self._mailbox.deliver.remote(_block_refs(self.data, with_train=True))
+        if self._own_mailbox:
+            ray.get(self.blocks)  # stored in this process (the owner) before the actor goes
+            self.close()
+
+    def close(self) -> None:
+        """A mailbox of its own goes once the data is delivered (or tokenizing failed): it is a
+        process that would wake 100 times a second beside the training. Closing twice is harmless."""
+        if self._own_mailbox:
+            ray.kill(self._mailbox)
+
+
+def _block_refs(data: "PreparedData", with_train: bool) -> dict[str, list["ray.ObjectRef"]]:
+    """What WorkerPayload.blocks resolves to: the tokenized datasets as their blocks' object refs."""
+    blocks = {"train": data.train.to_arrow_refs()} if with_train else {}
+    if data.eval is not None:
+        blocks["eval"] = data.eval.to_arrow_refs()
+    return blocks
 
 
 def _ordered_ingest():

@@ -14,18 +14,62 @@ Two of Ray Train's default controller callbacks start such an actor for nothing 
 
 Ray's preemption watcher is the third such actor; ray_session turns it off by Ray's own switch
 for a local Ray (no node of it is ever drained).
+
+``fit(while_starting=...)`` runs the driver's own work (tokenizing: fabric/launcher.py) after the
+controller has been created, so it overlaps the worker group's start instead of preceding it.
 """
 
 from __future__ import annotations
 
+import threading
+from typing import Callable, Optional
+
+import ray
+from ray._common.constants import RAY_WARN_BLOCKING_GET_INSIDE_ASYNC_ENV_VAR
 from ray.train.torch import TorchTrainer
 from ray.train.v2._internal.callbacks import DatasetsCallback
 from ray.train.v2._internal.callbacks.placement_group_callback import PlacementGroupCleanerCallback
+from ray.train.v2._internal.constants import DEFAULT_RAY_WARN_BLOCKING_GET_INSIDE_ASYNC_VALUE, get_env_vars_to_propagate
+from ray.train.v2._internal.execution.controller import TrainController
 
 from .ray_session import started_local_ray
 
 
 class LeanTorchTrainer(TorchTrainer):
+    _while_starting: Optional[Callable[[], None]] = None
+
+    def fit(self, while_starting: Optional[Callable[[], None]] = None):
+        """Ray's fit(); ``while_starting`` runs here once the controller exists. Should it raise,
+        the run is aborted (workers and all) and its exception propagates."""
+        self._while_starting = while_starting
+        try:
+            return super().fit()
+        finally:
+            self._while_starting = None
+
+    def _initialize_and_run_controller(self, **controller_init_kwargs):
+        # Ray's own (ray/train/v2/api/data_parallel_trainer.py, Ray 2.60), with the hook between
+        # starting the controller and waiting for it.
+        env_vars = get_env_vars_to_propagate()
+        env_vars.setdefault(RAY_WARN_BLOCKING_GET_INSIDE_ASYNC_ENV_VAR, DEFAULT_RAY_WARN_BLOCKING_GET_INSIDE_ASYNC_VALUE)
+        controller_actor_cls = ray.remote(
+            num_cpus=0,
+            label_selector={ray._raylet.RAY_NODE_ID_KEY: ray.get_runtime_context().get_node_id()},
+            runtime_env={"env_vars": env_vars},
+        )(TrainController)
+        controller = controller_actor_cls.remote(**controller_init_kwargs)
+        if threading.current_thread() is threading.main_thread():
+            self._register_sigint_handler(controller)
+        running = controller.run.remote()
+        if self._while_starting is not None:
+            try:
+                self._while_starting()
+            except BaseException:
+                _abort(controller)
+                raise
+        ray.get(running)
+        return ray.get(controller.get_result.remote())
+
     def _create_default_callbacks(self):
         unused = ()
         if not self.datasets:
@@ -33,3 +77,11 @@ class LeanTorchTrainer(TorchTrainer):
         if started_local_ray():
             unused += (PlacementGroupCleanerCallback,)
         return [callback for callback in super()._create_default_callbacks() if not isinstance(callback, unused)]
+
+
+def _abort(controller) -> None:
+    """Stop a run whose driver-side work failed: the controller aborts the worker group and exits."""
+    try:
+        ray.get(controller.abort.remote())
+    except ray.exceptions.RayActorError:  # abort() ends the controller's process: the expected answer
+        pass

@@ -75,24 +75,24 @@ class ProgressRelay:
     def __init__(self, on_record=None, interval_s: float = 0.5):
         self.on_record = on_record
         self.interval_s = interval_s
-        self._mailbox = Mailbox.remote() if on_record is not None else None
-        self.callbacks = [RelayCallback(self._mailbox)] if on_record is not None else []
+        self.mailbox = Mailbox.remote() if on_record is not None else None  # the launcher hands data through it too
+        self.callbacks = [RelayCallback(self.mailbox)] if on_record is not None else []
         self._stop = threading.Event()
         self._thread = None
 
     def __enter__(self) -> "ProgressRelay":
-        if self._mailbox is not None:
+        if self.mailbox is not None:
             self._thread = threading.Thread(target=self._pump, name="rayfactory-progress", daemon=True)
             self._thread.start()
         return self
 
     def __exit__(self, *exc) -> None:
-        if self._mailbox is None:
+        if self.mailbox is None:
             return
         self._stop.set()
         self._thread.join()
         self._deliver()  # what arrived since the last collection
-        ray.kill(self._mailbox)
+        ray.kill(self.mailbox)
 
     def _pump(self) -> None:
         while not self._stop.wait(self.interval_s):
@@ -100,7 +100,7 @@ class ProgressRelay:
 
     def _deliver(self) -> None:
         try:
-            for record in ray.get(self._mailbox.take.remote()):
+            for record in ray.get(self.mailbox.take.remote()):
                 self.on_record(record)
         except Exception:  # noqa: BLE001 (showing progress must never stop a run)
             logger.debug("progress relay failed", exc_info=True)

@@ -23,9 +23,11 @@ class WorkerPayload:
     """What every worker of a run gets; pickled once by Ray Train."""
 
     spec: JobSpec
-    # "train" and "eval": the tokenized dataset's blocks (object refs of pyarrow Tables, in row order);
-    # a streamed "train" is not here but in Ray Train's ingest (ray.train.get_dataset_shard).
-    blocks: dict[str, list["ray.ObjectRef"]] = field(default_factory=dict)
+    # The ref of {"train": [...], "eval": [...]}: the tokenized datasets' blocks (object refs of
+    # pyarrow Tables, in row order), which the driver may still be preparing when a worker starts
+    # (fabric/launcher.py); a streamed "train" is not here but in Ray Train's ingest
+    # (ray.train.get_dataset_shard).
+    blocks: "ray.ObjectRef"
     use_cpu: bool = True  # CPU workers must say so, or accelerate treats each one as a lone process
     callbacks: list["TrainerCallback"] = field(default_factory=list)
     torch_threads: Optional[int] = None  # ray_threads_per_worker; None: the rule in fabric/threads.py
@@ -48,19 +50,24 @@ def train_loop(config: dict) -> None:
     quiet_ray_data()
     set_torch_threads(payload.torch_threads, payload.whole_node)  # fabric/threads.py has the rule and why
 
-    train = streamed_train_shard(spec) if spec.data.streaming else hf_dataset("train", payload.blocks["train"])
-    evaluation = hf_dataset("eval", payload.blocks["eval"]) if "eval" in payload.blocks else None
     if spec.training.values.get("deepspeed"):
         _join_deepspeed_comm(payload.use_cpu)
     elif ray.train.get_context().get_world_size() == 1:
         _train_as_one_process()
     training_args = spec.training_arguments(use_cpu=payload.use_cpu)
     set_seed(training_args.seed)  # the stage builds the model (LoRA init) before the Trainer seeds
+
+    def receive_data():
+        """The datasets, once the model has loaded: the driver tokenizes while the workers start."""
+        blocks = ray.get(payload.blocks)
+        train = streamed_train_shard(spec) if spec.data.streaming else hf_dataset("train", blocks["train"])
+        return train, hf_dataset("eval", blocks["eval"]) if "eval" in blocks else None
+
     job = StageJob(
         spec=spec,
         training_args=training_args,
-        train_dataset=train,
-        eval_dataset=evaluation,
+        train_dataset=None,
+        receive_data=receive_data,
         callbacks=[_report_callback(), *payload.callbacks],
         resume_from_checkpoint=_resume_point(training_args.resume_from_checkpoint, training_args.output_dir),
         prepare_trainer=lambda trainer: feed_streamed_shards(prepare_trainer(trainer)),

@@ -68,8 +68,11 @@ class JobSpec:
 class StageJob:
     spec: JobSpec
     training_args: "Seq2SeqTrainingArguments"
-    train_dataset: "datasets.Dataset"  # tokenized rows
+    train_dataset: Optional["datasets.Dataset"]  # tokenized rows; None until receive_data has run
     eval_dataset: Optional["datasets.Dataset"] = None
+    # Where the datasets still come from, when the fabric starts the worker before they are ready:
+    # called once, after the model has loaded, to fill train_dataset and eval_dataset.
+    receive_data: Optional[Callable[[], tuple["datasets.Dataset", Optional["datasets.Dataset"]]]] = None
     callbacks: list["TrainerCallback"] = field(default_factory=list)  # Ray reporting, the Python API's hooks
     # Where training resumes: a restarted worker group's last Ray checkpoint, or the user's folder.
     resume_from_checkpoint: Optional[str] = None
@@ -130,6 +133,9 @@ class StageJob:
         from .callbacks import JsonlLogCallback
         from .hf_checkpoints import CommitCheckpoints
 
+        if self.receive_data is not None:
+            self.train_dataset, self.eval_dataset = self.receive_data()
+            self.receive_data = None
         if self.training_args.ddp_find_unused_parameters is None and _is_peft_model(model):
             # transformers assumes unused parameters in any model that is not a PreTrainedModel (a
             # PeftModel is not): DDP then walks the autograd graph again every step, and warns on

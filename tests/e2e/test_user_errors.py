@@ -99,6 +99,35 @@ def test_bad_row_names_dataset_file_row_and_field(tmp_path, session_address):
     )
 
 
+def test_bad_row_aborts_the_workers_started_beside_tokenizing(tmp_path, ray_session, monkeypatch):
+    """From Python, where the driver lives on after the error (a notebook): the worker group started
+    before tokenizing (fabric/launcher.py) is aborted, so its CPU is free again. A group left
+    waiting for its data would hold it until the driver ends."""
+    from cluster.driver import run_exp
+    from registries.errors import find_user_error
+
+    write_dataset(tmp_path)
+    write_config(tmp_path)
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(Exception) as raised:
+        run_exp(str(tmp_path / "cfg.yaml"))
+    assert f"row {BAD_ROW} of" in str(find_user_error(raised.value))
+    assert cpus_stay_free(ray_session), ray_session.available_resources()
+
+
+def cpus_stay_free(ray, seconds: float = 15) -> bool:
+    """Every CPU free for ``seconds``: long enough for a controller left running to have placed
+    its worker group (5-10 s after the error on 2 cores)."""
+    import time
+
+    deadline = time.time() + seconds
+    while time.time() < deadline:
+        if ray.available_resources().get("CPU", 0) != ray.cluster_resources().get("CPU"):
+            return False
+        time.sleep(0.25)
+    return True
+
+
 def test_skip_bad_rows_trains_and_reports_the_skipped_row(tmp_path, session_address):
     source = write_dataset(tmp_path)
     write_config(tmp_path, skip_bad_rows=True, max_steps=2)
