@@ -103,8 +103,10 @@ def prepare_datasets(data_args: DataArguments, stage: StageSpec, seed: int, toke
 
 def _tokenized_splits(data_args: DataArguments, stage: StageSpec, seed: int, tokenizer, template) -> tuple:
     preprocess = stage.preprocess_fn(tokenizer, template, data_args)
-    train = aligned_mixed(data_args.dataset, data_args, stage, seed)
-    evaluation = aligned_mixed(data_args.eval_dataset, data_args, stage, seed) if data_args.eval_dataset else None
+    # Without a val_size split, a lone dataset is aligned and tokenized in one Ray Data run.
+    lazy = not data_args.val_size
+    train = aligned_mixed(data_args.dataset, data_args, stage, seed, lazy)
+    evaluation = aligned_mixed(data_args.eval_dataset, data_args, stage, seed, lazy) if data_args.eval_dataset else None
     if data_args.val_size:
         # Split aligned rows by the registries' seeded plan, as load_aligned does: the same seed
         # picks the same rows, and packing never puts a train and an eval example in one sequence.
@@ -141,11 +143,15 @@ def nothing_left(split: str, where: str, rows, preprocess, stage: StageSpec) -> 
     )
 
 
-def aligned_mixed(names, data_args: DataArguments, stage: StageSpec, seed: int) -> "ray.data.Dataset":
-    """Every named dataset read and aligned (in Ray tasks), then mixed."""
+def aligned_mixed(names, data_args: DataArguments, stage: StageSpec, seed: int, lazy: bool = False) -> "ray.data.Dataset":
+    """Every named dataset read and aligned (in Ray tasks), then mixed. ``lazy``: a lone dataset's
+    alignment is left to run with what follows (mixing several reads their lengths, so they run)."""
     attrs = get_dataset_attrs(names, data_args.dataset_dir)
     check_stage_fields(attrs, stage.name, stage.dataset_need)  # before any work: dpo/rm need ranking, ...
-    return _mix([_run(_aligned(attr, data_args, seed)) for attr in attrs], data_args, seed)
+    aligned = [_aligned(attr, data_args, seed) for attr in attrs]
+    if lazy and len(aligned) == 1:
+        return aligned[0]
+    return _mix([_run(dataset) for dataset in aligned], data_args, seed)
 
 
 def tokenized(rows, preprocess) -> "ray.data.Dataset":

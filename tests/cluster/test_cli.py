@@ -33,6 +33,23 @@ def test_version_is_instant_and_imports_nothing_heavy():
     assert probe.stdout == f"rayfactory {cluster.__version__}\n[]\n"
 
 
+def test_the_command_exits_after_other_threads_and_atexit_handlers_finish():
+    """console_main ends the process with os._exit (no interpreter teardown): what a normal exit
+    still does must happen first, and what was printed must reach a pipe."""
+    script = (
+        "import atexit, sys, threading, time\n"
+        "sys.argv = ['rayfactory', 'version']\n"
+        "atexit.register(lambda: print('atexit handler ran'))\n"
+        "threading.Thread(target=lambda: (time.sleep(0.5), print('thread finished'))).start()\n"
+        "from cluster.cli import console_main\n"
+        "console_main()\n"
+    )
+    done = subprocess.run([sys.executable, "-c", script], cwd=REPO, env={**os.environ, "PYTHONPATH": REPO},
+                          capture_output=True, text=True, timeout=60)
+    assert (done.returncode, done.stderr) == (0, "")
+    assert done.stdout == f"rayfactory {cluster.__version__}\nthread finished\natexit handler ran\n"
+
+
 def test_templates_lists_each_name_with_what_it_is_verified_against():
     from registries.templates import UNVERIFIED, verification_source
 
