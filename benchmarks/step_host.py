@@ -57,10 +57,8 @@ def in_ray_train_worker(threads: int, steps: int) -> float:
 @contextlib.contextmanager
 def local_ray():
     """A fresh local Ray for one measurement, started as a run starts its own (fabric/ray_session.py)."""
-    import ray
-
     from fabric.args import RayArguments
-    from fabric.ray_session import connect
+    from fabric.ray_session import connect, shutdown
     from harness import REPO_ROOT
 
     path = {"PYTHONPATH": f"{REPO_ROOT}:{REPO_ROOT}/benchmarks"}  # step_host and batch_layouts in the workers
@@ -68,7 +66,7 @@ def local_ray():
     try:
         yield
     finally:
-        ray.shutdown()
+        shutdown()
 
 
 HOSTS = {"plain process": one_host_step, "Ray task": in_ray_task, "Ray Train worker": in_ray_train_worker}

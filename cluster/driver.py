@@ -73,21 +73,23 @@ def run_exp(
         predicted = _predict(cfg, console, trained=False, template=configured_template)
         stats = {"eval_examples": predicted.rows, "predict_workers": predicted.workers}
         return RunResult(os.path.abspath(output_dir), predicted.metrics, None, stats)
+    rl = spec.stage.launch == "rl_controller"
+    # Ray Train's workers start first and import and load while the data is tokenized (not for
+    # a stream, which Ray Train needs up front, nor for RL, whose roles start from the data).
+    overlapped = not rl and not cfg.data.streaming
 
-    def prepare_data(phase: str = "data"):
+    def prepare_data():
         data = prepare_datasets(cfg.data, spec.stage, cfg.training.seed, tokenizer, template)
-        console.mark(phase)
+        console.mark("data (workers starting)" if overlapped else "data")
         return data
 
-    if spec.stage.launch == "rl_controller":  # roles as actor groups, driven from here
+    if rl:  # roles as actor groups, driven from here
         from fabric.rl_launcher import launch_rl
 
         data = prepare_data()
         result = launch_rl(spec, cfg.ray, data.train, data.eval, tokenizer, template, progress=console.progress_sink())
-    else:  # the workers start first; the data is tokenized while they import and load
-        phase = "data" if cfg.data.streaming else "data (workers starting)"
-        result, data = launch_training(spec, cfg.ray, lambda: prepare_data(phase), callbacks,
-                                       progress=console.progress_sink())
+    else:
+        result, data = launch_training(spec, cfg.ray, prepare_data, callbacks, progress=console.progress_sink())
     if result.error is not None:
         raise result.error
     checkpoint = result.checkpoint.path if result.checkpoint is not None else None

@@ -10,13 +10,10 @@ INFO or above: the CLI's console shows this package's records.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import functools
 import itertools
-import json
 import logging
 import os
-import shutil
 import time
 from collections import Counter
 from dataclasses import dataclass
@@ -30,9 +27,11 @@ from registries.datasets.args import DataArguments
 from registries.datasets.errors import DataConfigError, DatasetRowError
 from registries.datasets.info import get_dataset_attrs
 from registries.datasets.mixing import mix_plan, split_plan
-from registries.datasets.readers import data_files, read_table
+from registries.datasets.readers import read_table, source_paths
 from registries.datasets.stage_fields import DATASET_NEEDS, check_stage_fields
 from stages.table import StageSpec
+
+from . import tokenized_cache
 
 logger = logging.getLogger(__name__)
 
@@ -50,7 +49,7 @@ def check_data(data_args: DataArguments, stage: StageSpec) -> None:
     """The data mistakes that need no row read, raised before Ray starts any work: a dataset name
     dataset_info.json lacks, a missing file, a dataset that does not fit the stage (dpo on
     single answers). A reusable tokenized_path needs none of it."""
-    if _reuses_cache(data_args):
+    if tokenized_cache.reusable(data_args):
         return
     if not data_args.dataset:
         raise DataConfigError(
@@ -58,7 +57,7 @@ def check_data(data_args: DataArguments, stage: StageSpec) -> None:
             f"names from {os.path.join(data_args.dataset_dir, 'dataset_info.json')}, e.g. dataset: arith_train."
         )
     check_stage_fields(_all_attrs(data_args), stage.name, stage.dataset_need)
-    _source_paths(data_args)  # names a missing file or folder
+    source_paths(data_args)  # names a missing file or folder
 
 
 def _all_attrs(data_args: DataArguments) -> list:
@@ -67,37 +66,33 @@ def _all_attrs(data_args: DataArguments) -> list:
     )
 
 
-def _source_paths(data_args: DataArguments) -> set[str]:
-    """dataset_info.json and every file the datasets read; DataConfigError naming one that is missing."""
-    attrs = _all_attrs(data_args)
-    paths = {attr.info_path for attr in attrs}
-    paths.update(path for attr in attrs if attr.load_from == "file" for path in data_files(attr))
-    return paths
-
-
 def prepare_datasets(data_args: DataArguments, stage: StageSpec, seed: int, tokenizer, template) -> PreparedData:
     """Tokenized train (and eval) datasets, from ``tokenized_path`` when it already holds them.
 
     Equal, row for row, to the in-process path: ``load_aligned`` (read, align, mix, split) and
     then the stage's preprocess function over consecutive windows of BATCH_SIZE aligned rows.
     """
-    fingerprint = _fingerprint(data_args, stage, seed, tokenizer, template)
+    fingerprint = tokenized_cache.fingerprint(data_args, stage, seed, tokenizer, template)
+    reused = tokenized_cache.reusable(data_args)
+    started = time.time()
     with pipeline_context():
-        if _reuses_cache(data_args):
-            return _load_cache(data_args.tokenized_path, fingerprint)
-        started = time.time()
-        if data_args.streaming:
+        if reused:
+            train, evaluation = tokenized_cache.load(data_args.tokenized_path, fingerprint)
+        elif data_args.streaming:
             from .streaming_data import streamed_splits
 
             train, evaluation = streamed_splits(data_args, stage, seed, tokenizer, template)
         else:
             train, evaluation = _tokenized_splits(data_args, stage, seed, tokenizer, template)
     # A stream is never counted: that would run the whole pipeline once before training.
-    train_count = None if data_args.streaming else train.count()
+    train_count = None if data_args.streaming and not reused else train.count()
     stats = {"train_examples": train_count, "eval_examples": evaluation.count() if evaluation else 0}
-    logger.info("data ready in %.1fs: %s", time.time() - started, stats)
-    if data_args.tokenized_path:
-        _save_cache(data_args.tokenized_path, train, evaluation, fingerprint)
+    if reused:
+        logger.info("reusing tokenized data from %s: %s", data_args.tokenized_path, stats)
+    else:
+        logger.info("data ready in %.1fs: %s", time.time() - started, stats)
+        if data_args.tokenized_path:
+            tokenized_cache.save(data_args.tokenized_path, train, evaluation, fingerprint)
     return PreparedData(train, evaluation, stats)
 
 
@@ -320,92 +315,3 @@ def carried_user_error(err: BaseException) -> Optional[Exception]:
     """The data error a UDF raised: RayTaskError(CarriedDataError).cause is the CarriedDataError."""
     cause = getattr(err, "cause", None)
     return cause.error if isinstance(cause, CarriedDataError) else None
-
-
-# ------------------------------------------------------------------ tokenized_path reuse
-_META = "rayfactory_tokenized.json"
-
-
-# DataArguments that do not change a single tokenized row; every other one is in the fingerprint,
-# so a new data option is covered without anyone remembering to list it here.
-_ROW_NEUTRAL = ("tokenized_path", "overwrite_cache", "padding_free")  # padding_free lays out batches, not rows
-
-
-def _fingerprint(data_args: DataArguments, stage: StageSpec, seed: int, tokenizer, template) -> dict:
-    """What the tokenized rows depend on: every data setting, the stage's tokenization, the
-    tokenizer and template, and each source file (dataset_info.json and the files it names)."""
-    settings = {k: v for k, v in dataclasses.asdict(data_args).items() if k not in _ROW_NEUTRAL}
-    return {
-        **settings,
-        "stage": stage.name,
-        "tokenize": stage.tokenize,
-        "template": template.name,
-        "tokenizer": getattr(tokenizer, "name_or_path", ""),
-        "vocab_size": len(tokenizer),
-        # The seed picks the validation rows and the interleaving order; otherwise it changes nothing.
-        "data_seed": seed if data_args.val_size or data_args.mix_strategy != "concat" else None,
-        "files": _source_files(data_args),
-    }
-
-
-def _source_files(data_args: DataArguments) -> Optional[dict[str, list[int]]]:
-    """path -> [size, mtime_ns] of every file the rows come from; None where they are not here
-    (a cache made elsewhere and copied, with the data left behind)."""
-    try:
-        paths = _source_paths(data_args)
-    except DataConfigError:
-        return None
-    return {path: [(info := os.stat(path)).st_size, info.st_mtime_ns] for path in sorted(paths)}
-
-
-def _reuses_cache(data_args) -> bool:
-    path = data_args.tokenized_path
-    return bool(path) and not data_args.overwrite_cache and os.path.exists(os.path.join(path, _META))
-
-
-def _save_cache(path: str, train, evaluation, fingerprint: dict) -> None:
-    # Ray's write_parquet appends files to a folder: clear what an earlier run wrote (only our
-    # own entries), the marker first, so a crash mid-write never leaves a folder that looks reusable.
-    for name in (_META, "train", "eval"):
-        target = os.path.join(path, name)
-        if os.path.isdir(target):
-            shutil.rmtree(target)
-        elif os.path.exists(target):
-            os.remove(target)
-    os.makedirs(path, exist_ok=True)
-    train.write_parquet(os.path.join(path, "train"))
-    if evaluation is not None:
-        evaluation.write_parquet(os.path.join(path, "eval"))
-    with open(os.path.join(path, _META), "w", encoding="utf-8") as f:
-        json.dump(fingerprint, f, indent=2)
-    logger.info("tokenized data saved to %s; later runs reuse it", path)
-
-
-def _load_cache(path: str, fingerprint: dict) -> PreparedData:
-    with open(os.path.join(path, _META), encoding="utf-8") as f:
-        saved = json.load(f)
-    changed = sorted(k for k in fingerprint if k != "files" and saved.get(k) != fingerprint[k])
-    if changed:
-        details = ", ".join(f"{k}: {saved.get(k)!r} -> {fingerprint[k]!r}" for k in changed)
-        raise DataConfigError(
-            f"tokenized_path {path} was made with different settings ({details}). Set "
-            "overwrite_cache: true to tokenize again into it, or point tokenized_path at a new folder."
-        )
-    files = fingerprint["files"]
-    if files is None:
-        logger.warning("the source data is not here; reusing %s as it was saved", path)
-    elif files != saved.get("files"):
-        was = saved.get("files") or {}
-        edited = [f for f in files if was.get(f) != files[f]] + [f for f in was if f not in files]
-        raise DataConfigError(
-            f"tokenized_path {path} was made from other data: {', '.join(edited)} changed since (size or "
-            "modification time). Set overwrite_cache: true to tokenize the current data into it, or point "
-            "tokenized_path at a new folder."
-        )
-    train = ray.data.read_parquet(os.path.join(path, "train"))
-    eval_dir = os.path.join(path, "eval")
-    evaluation = ray.data.read_parquet(eval_dir) if os.path.isdir(eval_dir) else None
-    train, evaluation = train.materialize(), evaluation.materialize() if evaluation is not None else None
-    stats = {"train_examples": train.count(), "eval_examples": evaluation.count() if evaluation else 0}
-    logger.info("reusing tokenized data from %s: %s", path, stats)
-    return PreparedData(train, evaluation, stats)

@@ -83,7 +83,8 @@ def shutdown() -> None:
     """
     if started_local_ray():
         node = getattr(ray._private.worker, "_global_node", None)  # where ray.init keeps its processes
-        for info in (getattr(node, "all_processes", None) or {}).get("monitor", []):
+        monitors = (getattr(node, "all_processes", None) or {}).get(ray._private.ray_constants.PROCESS_TYPE_MONITOR, [])
+        for info in monitors:
             if info.process.poll() is None:
                 info.process.kill()
                 info.process.wait()

@@ -22,7 +22,7 @@ import random
 from typing import Any, Iterator
 
 from .errors import DataConfigError
-from .info import DatasetAttr
+from .info import DatasetAttr, get_dataset_attrs
 
 RAW, SOURCE_FILE, SOURCE_ROW = "_raw", "_source_file", "_source_row"
 FILE_TYPES = ("json", "jsonl", "csv", "parquet", "arrow", "txt")
@@ -94,6 +94,16 @@ def data_files(attr: DatasetAttr) -> list[str]:
             "a folder dataset must hold files of one type."
         )
     return files
+
+
+def source_paths(data_args) -> set[str]:
+    """dataset_info.json and every file the train and eval datasets of ``data_args`` (DataArguments)
+    read; a DataConfigError names an unknown dataset or a missing file."""
+    attrs = get_dataset_attrs(data_args.dataset, data_args.dataset_dir)
+    attrs += get_dataset_attrs(data_args.eval_dataset, data_args.dataset_dir)
+    paths = {attr.info_path for attr in attrs}
+    paths.update(path for attr in attrs if attr.load_from == "file" for path in data_files(attr))
+    return paths
 
 
 def _file_type(attr: DatasetAttr, path: str) -> str:
