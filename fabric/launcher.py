@@ -1,4 +1,4 @@
-"""Ray Train wiring: one TorchTrainer whose workers run a stage's recipe."""
+"""Ray Train wiring: one data-parallel trainer whose workers run a stage's recipe."""
 
 from __future__ import annotations
 
@@ -8,13 +8,13 @@ from typing import TYPE_CHECKING, Callable, Iterable
 
 import ray
 from ray.train import CheckpointConfig, DataConfig, FailureConfig, RunConfig, ScalingConfig
-from ray.train.torch import TorchConfig
+from ray.train.backend import BackendConfig
 
 from stages.job import JobSpec
 
 from .args import RayArguments
 from .mailbox import Mailbox
-from .lean_trainer import LeanTorchTrainer
+from .lean_trainer import LeanTrainer
 from .progress import ProgressRelay
 from .worker import WorkerPayload, train_loop
 
@@ -54,13 +54,13 @@ def launch_training(
         whole_node=ray_args.ray_num_workers == 1 and not ray_args.uses_gpu and not streaming,
     )
     datasets = {"train": data.train} if streaming else {}
-    trainer = LeanTorchTrainer(
+    trainer = LeanTrainer(
         train_loop_per_worker=train_loop,
         # In the object store, so that Ray Train's controller, which holds the config, never
         # unpickles it: the spec and the callbacks would import transformers and peft there, on
         # the path to starting the workers (11.7 s of a quickstart's start-up on 2 cores).
         train_loop_config={"payload": ray.put(payload)},
-        torch_config=TorchConfig(backend="nccl" if ray_args.uses_gpu else "gloo"),
+        backend_config=_backend_config(spec, ray_args),
         scaling_config=ScalingConfig(
             num_workers=ray_args.ray_num_workers,
             use_gpu=ray_args.uses_gpu,
@@ -120,6 +120,19 @@ def _block_refs(data: "PreparedData", with_train: bool) -> dict[str, list["ray.O
     if data.eval is not None:
         blocks["eval"] = data.eval.to_arrow_refs()
     return blocks
+
+
+def _backend_config(spec: JobSpec, ray_args: RayArguments) -> BackendConfig:
+    """torch.distributed for the workers only where they talk to each other. A lone CPU worker
+    trains as one plain process (fabric/worker.py), so its process group would serve nobody,
+    and Ray's torch backend is what imports torch into the Train controller: ~2 CPU-seconds on
+    the path to starting the worker, while the driver tokenizes beside it. DeepSpeed joins the
+    group even alone; a GPU worker keeps Ray's CUDA device set-up."""
+    if ray_args.ray_num_workers == 1 and not ray_args.uses_gpu and not spec.training.values.get("deepspeed"):
+        return BackendConfig()
+    from ray.train.torch import TorchConfig
+
+    return TorchConfig(backend="nccl" if ray_args.uses_gpu else "gloo")
 
 
 def _ordered_ingest():

@@ -1,4 +1,4 @@
-"""Ray Train's TorchTrainer without the helper actors a run does not use.
+"""Ray Train's trainer without the helper actors a run does not use.
 
 Every Ray actor is a process of its own that imports Ray Train or Ray Data before it does
 anything: ~3.5 CPU-seconds each on a 2-core machine, spent while the worker imports torch and
@@ -26,7 +26,7 @@ from typing import Callable, Optional
 
 import ray
 from ray._common.constants import RAY_WARN_BLOCKING_GET_INSIDE_ASYNC_ENV_VAR
-from ray.train.torch import TorchTrainer
+from ray.train.v2.api.data_parallel_trainer import DataParallelTrainer
 from ray.train.v2._internal.callbacks import DatasetsCallback
 from ray.train.v2._internal.callbacks.placement_group_callback import PlacementGroupCleanerCallback
 from ray.train.v2._internal.constants import DEFAULT_RAY_WARN_BLOCKING_GET_INSIDE_ASYNC_VALUE, get_env_vars_to_propagate
@@ -35,7 +35,7 @@ from ray.train.v2._internal.execution.controller import TrainController
 from .ray_session import started_local_ray
 
 
-class LeanTorchTrainer(TorchTrainer):
+class LeanTrainer(DataParallelTrainer):
     _while_starting: Optional[Callable[[], None]] = None
 
     def fit(self, while_starting: Optional[Callable[[], None]] = None):

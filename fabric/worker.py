@@ -212,11 +212,12 @@ def _join_deepspeed_comm(use_cpu: bool) -> None:
 
 
 def _train_as_one_process() -> None:
-    """A lone worker trains its model unwrapped. Ray Train sets LOCAL_RANK in every worker, and
+    """A lone worker trains its model unwrapped. Ray's torch backend sets LOCAL_RANK in every worker, and
     accelerate then wraps even a world of one in DistributedDataParallel: an all-reduce with
     nobody after every backward, and for full fine-tuning (find_unused_parameters) another walk
     of the autograd graph each step. Without the rank variables the Trainer sees one plain
-    process; Ray Train's process group stays (the checkpoint barrier is a no-op for one rank).
-    DeepSpeed keeps them: it reads its rank from there."""
+    process. A lone CPU worker has no process group either (fabric/launcher.py); a GPU one keeps
+    Ray's (its checkpoint barrier is a no-op for one rank). DeepSpeed keeps the variables: it
+    reads its rank from there."""
     for name in ("LOCAL_RANK", "RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE"):
         os.environ.pop(name, None)

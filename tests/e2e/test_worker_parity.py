@@ -54,17 +54,20 @@ class RecordRankIndices(TrainerCallback):
 
 
 class RecordWrapping(TrainerCallback):
-    """Writes how accelerate runs this rank: one plain process, or a DistributedDataParallel rank."""
+    """Writes how accelerate runs this rank (one plain process, or a DistributedDataParallel rank)
+    and whether Ray Train gave it a torch.distributed process group."""
 
     def __init__(self, path: str):
         self.path = path
 
     def on_train_begin(self, args, state, control, **kwargs):
+        import torch.distributed
         from accelerate.state import PartialState
 
         if state.is_world_process_zero:
             with open(self.path, "w", encoding="utf-8") as f:
                 json.dump({"distributed_type": PartialState().distributed_type.name, "world_size": args.world_size,
+                           "process_group": torch.distributed.is_initialized(),
                            "nice": os.getpriority(os.PRIO_PROCESS, 0)}, f)
 
 
@@ -96,7 +99,7 @@ def two_workers(ray_session, tmp_path_factory):
     result = run_exp(config, callbacks=[RecordRankIndices(str(out / "indices")), RecordWrapping(str(out / "wrap.json"))])
     with open(out / "wrap.json", encoding="utf-8") as f:
         # DDP: gradients all-reduced; and the run's own local Ray starts its workers at nice 0, not Ray's 15.
-        assert json.load(f) == {"distributed_type": "MULTI_CPU", "world_size": 2, "nice": 0}
+        assert json.load(f) == {"distributed_type": "MULTI_CPU", "world_size": 2, "process_group": True, "nice": 0}
     return result.output_dir, str(out / "indices")
 
 
@@ -110,9 +113,11 @@ def test_two_workers_match_one_worker_on_the_same_global_batch(ray_session, tmp_
     # with a tokenized dataset leaves unused (fabric/lean_trainer.py).
     assert {"TrainController", "RayTrainWorker"} <= started, started
     assert not started & {"DatasetManager", "PlacementGroupCleaner", "PreemptionWatcher"}, started
-    # A lone worker trains unwrapped (fabric/worker.py): no all-reduce with nobody, no unused-parameter search.
+    # A lone worker trains unwrapped (fabric/worker.py): no all-reduce with nobody, no unused-parameter
+    # search; and without a process group, so Ray's torch backend stays out of the controller
+    # (fabric/launcher.py).
     with open(tmp_path / "wrap.json", encoding="utf-8") as f:
-        assert json.load(f) == {"distributed_type": "NO", "world_size": 1, "nice": 0}
+        assert json.load(f) == {"distributed_type": "NO", "world_size": 1, "process_group": False, "nice": 0}
     two_losses, one_losses = _losses(two_dir), _losses(one.output_dir)
 
     assert [s for s, _ in one_losses] == list(range(1, 21))  # 320 rows / 16 per step
