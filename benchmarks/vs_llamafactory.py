@@ -27,12 +27,15 @@ next to a CPU torch). LLaMA-Factory runs with CUDA_VISIBLE_DEVICES="" and DISABL
 and its own defaults (gradient checkpointing on, all cores); RayFactory with its defaults (one
 worker on a local Ray), from a venv of its own built the same way on first use (``--rf-venv``:
 torch, then RayFactory without extras, as a user installs it; the development venv's test extras
-would add bitsandbytes to every process's imports). Run on a quiet machine: figures, not asserts.
+would add bitsandbytes to every process's imports). ``--rf-ray running`` starts one local Ray head
+(`ray start --head`) before the rounds and lets every RayFactory run join it (RAY_ADDRESS=auto),
+as a user who keeps a Ray up between runs does. Run on a quiet machine: figures, not asserts.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import glob
 import json
 import os
@@ -225,7 +228,8 @@ def run_command(command: list[str], env: dict, output_dir: str, log_path: str) -
             "peak_pss_gib": sampler.peak_pss / 2**30, "final_loss": losses[-1], "losses": losses}
 
 
-def run_round(name: str, config: dict, work: str, lf_cli: str, rf_python: str, index: int) -> dict[str, dict]:
+def run_round(name: str, config: dict, work: str, lf_cli: str, rf_python: str, index: int,
+              rf_joins: bool = False) -> dict[str, dict]:
     import yaml
 
     figures = {}
@@ -239,9 +243,26 @@ def run_round(name: str, config: dict, work: str, lf_cli: str, rf_python: str, i
         else:
             command = [rf_python, "-m", "cluster.cli", "train", path]
             env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}  # a local Ray of its own
+            if rf_joins:
+                env["RAY_ADDRESS"] = "auto"  # the running head (--rf-ray running)
         print(f"[bench] {name} round {index + 1}: {system} ...", file=sys.stderr, flush=True)
         figures[system] = run_command(command, env, output_dir, os.path.join(work, f"{system}-{index}.log"))
     return figures
+
+
+@contextlib.contextmanager
+def running_ray(rf_python: str, wanted: bool):
+    """A local Ray head, as a user starts one to keep between runs (docs/cluster.md), stopped after."""
+    if not wanted:
+        yield
+        return
+    ray_cli = os.path.join(os.path.dirname(rf_python), "ray")
+    subprocess.check_call([ray_cli, "start", "--head", f"--num-cpus={os.cpu_count()}", "--include-dashboard=false",
+                           "--disable-usage-stats"], stdout=subprocess.DEVNULL)
+    try:
+        yield
+    finally:
+        subprocess.call([ray_cli, "stop"], stdout=subprocess.DEVNULL)
 
 
 def summarize(name: str, rounds: list[dict[str, dict]]) -> tuple[list[dict], dict]:
@@ -271,19 +292,24 @@ def main() -> int:
     parser.add_argument("--rf-venv", default=None,
                         help="RayFactory's venv, as a user installs it (no extras; built when missing; default "
                              "~/.cache/rayfactory/rf-plain-<hash of pyproject.toml>), or 'current' for this interpreter's")
+    parser.add_argument("--rf-ray", choices=("own", "running"), default="own",
+                        help="own: every RayFactory run starts its local Ray (the default a user gets); running: "
+                             "one `ray start --head` for all rounds, which each run joins (RAY_ADDRESS=auto)")
     parser.add_argument("--json", default=None, help="also write every run's figures to this file")
     args = parser.parse_args()
     lf_cli = ensure_lf_venv(args.lf_venv)
     rf_python = sys.executable if args.rf_venv == "current" else ensure_rf_venv(args.rf_venv or default_rf_venv())
     table, ratios, raw = [], [], {}
-    for name in [c.strip() for c in args.cases.split(",") if c.strip()]:
-        with tempfile.TemporaryDirectory(prefix=f"vs-lf-{name}-") as work:
-            config = case_config(name, work)
-            rounds = [run_round(name, config, work, lf_cli, rf_python, i) for i in range(args.rounds)]
-        rows, ratio = summarize(name, rounds)
-        table += rows
-        ratios.append(ratio)
-        raw[name] = rounds
+    with running_ray(rf_python, args.rf_ray == "running"):
+        for name in [c.strip() for c in args.cases.split(",") if c.strip()]:
+            with tempfile.TemporaryDirectory(prefix=f"vs-lf-{name}-") as work:
+                config = case_config(name, work)
+                rounds = [run_round(name, config, work, lf_cli, rf_python, i, rf_joins=args.rf_ray == "running")
+                          for i in range(args.rounds)]
+            rows, ratio = summarize(name, rounds)
+            table += rows
+            ratios.append(ratio)
+            raw[name] = rounds
     print(machine_line())
     print(format_table(table, COLUMNS))
     print()
