@@ -25,7 +25,7 @@ from ray.exceptions import UserCodeException
 from registries.datasets.aligner import ALIGNED_COLUMNS, align_batch, aligned_table, bad_rows_batch
 from registries.datasets.args import DataArguments
 from registries.datasets.errors import DataConfigError, DatasetRowError
-from registries.datasets.info import get_dataset_attrs
+from registries.datasets.info import get_dataset_attrs, train_and_eval_attrs
 from registries.datasets.mixing import mix_plan, split_plan
 from registries.datasets.readers import read_table, source_paths
 from registries.datasets.stage_fields import DATASET_NEEDS, check_stage_fields
@@ -56,14 +56,9 @@ def check_data(data_args: DataArguments, stage: StageSpec) -> None:
             "Data arguments: dataset is not set, so there is nothing to train on. Set dataset to one or more "
             f"names from {os.path.join(data_args.dataset_dir, 'dataset_info.json')}, e.g. dataset: arith_train."
         )
-    check_stage_fields(_all_attrs(data_args), stage.name, stage.dataset_need)
-    source_paths(data_args)  # names a missing file or folder
-
-
-def _all_attrs(data_args: DataArguments) -> list:
-    return get_dataset_attrs(data_args.dataset, data_args.dataset_dir) + get_dataset_attrs(
-        data_args.eval_dataset, data_args.dataset_dir
-    )
+    attrs = train_and_eval_attrs(data_args)
+    check_stage_fields(attrs, stage.name, stage.dataset_need)
+    source_paths(attrs)  # names a missing file or folder
 
 
 def prepare_datasets(data_args: DataArguments, stage: StageSpec, seed: int, tokenizer, template) -> PreparedData:
@@ -72,7 +67,9 @@ def prepare_datasets(data_args: DataArguments, stage: StageSpec, seed: int, toke
     Equal, row for row, to the in-process path: ``load_aligned`` (read, align, mix, split) and
     then the stage's preprocess function over consecutive windows of BATCH_SIZE aligned rows.
     """
-    fingerprint = tokenized_cache.fingerprint(data_args, stage, seed, tokenizer, template)
+    fingerprint = None  # only a tokenized_path needs it (it stats every source file)
+    if data_args.tokenized_path:
+        fingerprint = tokenized_cache.fingerprint(data_args, stage, seed, tokenizer, template)
     reused = tokenized_cache.reusable(data_args)
     started = time.time()
     with pipeline_context():

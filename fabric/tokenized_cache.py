@@ -16,6 +16,7 @@ import ray
 
 from registries.datasets.args import DataArguments
 from registries.datasets.errors import DataConfigError
+from registries.datasets.info import train_and_eval_attrs
 from registries.datasets.readers import source_paths
 from stages.table import StageSpec
 
@@ -50,7 +51,7 @@ def _source_files(data_args: DataArguments) -> Optional[dict[str, list[int]]]:
     """path -> [size, mtime_ns] of every file the rows come from; None where they are not here
     (a cache made elsewhere and copied, with the data left behind)."""
     try:
-        paths = source_paths(data_args)
+        paths = source_paths(train_and_eval_attrs(data_args))
     except DataConfigError:
         return None
     return {path: [(info := os.stat(path)).st_size, info.st_mtime_ns] for path in sorted(paths)}

@@ -123,6 +123,13 @@ def get_dataset_attrs(names: list[str] | None, dataset_dir: str) -> list[Dataset
     return attrs
 
 
+
+def train_and_eval_attrs(data_args) -> list[DatasetAttr]:
+    """The entries of ``data_args.dataset`` and then ``data_args.eval_dataset`` (a DataArguments)."""
+    return get_dataset_attrs(data_args.dataset, data_args.dataset_dir) + get_dataset_attrs(
+        data_args.eval_dataset, data_args.dataset_dir
+    )
+
 def parse_entry(name: str, entry: Any, dataset_dir: str, path: str = INFO_FILE) -> DatasetAttr:
     where = f"Dataset {name!r} in {path}"
     if not isinstance(entry, dict):

@@ -22,7 +22,7 @@ import random
 from typing import Any, Iterator
 
 from .errors import DataConfigError
-from .info import DatasetAttr, get_dataset_attrs
+from .info import DatasetAttr
 
 RAW, SOURCE_FILE, SOURCE_ROW = "_raw", "_source_file", "_source_row"
 FILE_TYPES = ("json", "jsonl", "csv", "parquet", "arrow", "txt")
@@ -96,11 +96,9 @@ def data_files(attr: DatasetAttr) -> list[str]:
     return files
 
 
-def source_paths(data_args) -> set[str]:
-    """dataset_info.json and every file the train and eval datasets of ``data_args`` (DataArguments)
-    read; a DataConfigError names an unknown dataset or a missing file."""
-    attrs = get_dataset_attrs(data_args.dataset, data_args.dataset_dir)
-    attrs += get_dataset_attrs(data_args.eval_dataset, data_args.dataset_dir)
+def source_paths(attrs: list[DatasetAttr]) -> set[str]:
+    """dataset_info.json and every file the datasets ``attrs`` read; a DataConfigError names a
+    missing file."""
     paths = {attr.info_path for attr in attrs}
     paths.update(path for attr in attrs if attr.load_from == "file" for path in data_files(attr))
     return paths
