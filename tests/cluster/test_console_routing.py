@@ -20,7 +20,7 @@ with Console(sys.argv[1], verbose=sys.argv[2] == "verbose") as console:
     os.write(2, b"a C-level line on fd 2\\n")
     logging.getLogger("some.library").info("a library's record")
     warnings.warn("a library's warning")
-    console.mark("config")
+    console.mark("checks")
     console.mark("Ray")
     logging.getLogger("fabric.data_pipeline").info("data ready in 1.0s")
     console.mark("data")
@@ -54,7 +54,7 @@ def test_internals_go_to_the_log_and_the_terminal_gets_the_console(tmp_path):
     assert lines[1].startswith("train: 100%") and "loss 2.5" in lines[1]
     # Where the wait before the first step went, phase by phase (each phase's own seconds).
     startup = lines.pop(5)
-    assert re.fullmatch(r"  start-up    first step \d+\.\d s after the start: config \d+\.\d s, Ray \d+\.\d s, "
+    assert re.fullmatch(r"  start-up    first step \d+\.\d s after the start: checks \d+\.\d s, Ray \d+\.\d s, "
                         r"data \d+\.\d s, workers \+ model 2\.\d s, first step 0\.5 s", startup), startup
     assert lines[2:] == ["eval at step 4: eval_loss 1.5", "done in 0s: train_loss 2, eval_loss 1.5",
                          f"  outputs     {tmp_path}", f"  log         {tmp_path / 'rayfactory.log'}",

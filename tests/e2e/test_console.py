@@ -38,6 +38,13 @@ def test_quickstart_console_is_short_and_the_log_holds_the_internals(tmp_path):
     assert f"log         {log_path}" in done.stdout  # the summary says where the rest went
     assert "eval at step 6: eval_loss" in done.stdout
     assert "  start-up    first step " in done.stdout and ", workers + model " in done.stdout
+    # Counted from the command's start (Python and reading the config are seconds of it), and the
+    # phases add up to the total.
+    startup = next(line for line in lines if line.startswith("  start-up    first step "))
+    total = float(startup.split("first step ")[1].split(" s after the start")[0])
+    phases = [float(part.rsplit(" ", 2)[1]) for part in startup.split("after the start: ")[1].split(", ")]
+    assert startup.split("after the start: ")[1].startswith("reading the config "), startup
+    assert phases[0] > 0.5 and abs(sum(phases) - total) < 0.1 * len(phases), startup
     # rank 0's memory plan, once: the quickstart model fits without gradient checkpointing
     assert done.stdout.count("[rayfactory] memory plan: gradient checkpointing off: ") == 1
 
@@ -50,3 +57,32 @@ def test_quickstart_console_is_short_and_the_log_holds_the_internals(tmp_path):
     assert "LOAD_GLOBAL" not in log  # datasets' fingerprinting through dill, leaked by Ray Train's print patch
     assert "find_unused_parameters=True" not in log  # DDP over a PeftModel
     assert "Failed to query Ray Train Controller" not in log  # the State API a local Ray does not serve
+
+
+def test_ctrl_c_stops_the_run_and_its_ray_without_a_traceback(tmp_path):
+    """Ctrl-C mid-training: the workers and the run's own local Ray go, a one-line message says
+    so, and the exit status is the shell's usual 130."""
+    import signal
+    import time
+
+    import psutil
+
+    config = example_config("quickstart.yaml", tmp_path, max_steps=100000, logging_steps=1, save_steps=100000)
+    (tmp_path / "cfg.yaml").write_text(yaml.safe_dump(config))
+    env = {**os.environ, "PYTHONPATH": REPO_ROOT, "RAY_ADDRESS": ""}
+    run = subprocess.Popen([sys.executable, "-m", "cluster.cli", "train", "cfg.yaml"], cwd=str(tmp_path), env=env,
+                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                           preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    first_steps = tmp_path / "out" / "trainer_log.jsonl"
+    deadline = time.time() + 600
+    while not first_steps.exists() and run.poll() is None and time.time() < deadline:
+        time.sleep(0.2)
+    assert first_steps.exists(), run.communicate()
+    descendants = psutil.Process(run.pid).children(recursive=True)  # the local Ray: daemons, workers
+    assert any("RayTrainWorker" in " ".join(p.cmdline()) for p in descendants if p.is_running())
+    run.send_signal(signal.SIGINT)
+    stdout, stderr = run.communicate(timeout=120)
+    assert run.returncode == 130, stdout[-3000:] + stderr[-3000:]
+    assert "rayfactory: interrupted" in stderr and "Traceback" not in stdout + stderr, stderr
+    _, alive = psutil.wait_procs(descendants, timeout=30)
+    assert not alive, [p.cmdline() for p in alive]

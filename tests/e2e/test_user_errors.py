@@ -115,11 +115,15 @@ def test_bad_row_aborts_the_workers_started_beside_tokenizing(tmp_path, ray_sess
     assert cpus_stay_free(ray_session), ray_session.available_resources()
 
 
-def cpus_stay_free(ray, seconds: float = 15) -> bool:
-    """Every CPU free for ``seconds``: long enough for a controller left running to have placed
-    its worker group (5-10 s after the error on 2 cores)."""
+def cpus_stay_free(ray, seconds: float = 15, release_s: float = 3) -> bool:
+    """Every CPU free within ``release_s`` (Ray releases a removed placement group's bundles
+    asynchronously), and then for ``seconds``: long enough for a controller left running to have
+    placed its worker group (5-10 s after the error on 2 cores)."""
     import time
 
+    released = time.time() + release_s
+    while ray.available_resources().get("CPU", 0) != ray.cluster_resources().get("CPU") and time.time() < released:
+        time.sleep(0.05)
     deadline = time.time() + seconds
     while time.time() < deadline:
         if ray.available_resources().get("CPU", 0) != ray.cluster_resources().get("CPU"):
