@@ -18,6 +18,7 @@ where Ray Train puts it (a driver may be a ``ray job submit`` entrypoint or a cl
 from __future__ import annotations
 
 import asyncio
+import logging
 import threading
 from typing import Callable, Optional
 
@@ -25,6 +26,8 @@ import ray
 from ray.train.v2._internal.execution.controller import TrainController
 from ray.train.v2._internal.execution.controller.state import AbortedState
 from ray.train.v2._internal.execution.worker_group import WorkerGroup
+
+logger = logging.getLogger(__name__)
 
 
 class _DriverWorkerGroup(WorkerGroup):
@@ -83,7 +86,8 @@ def run_controller_in_driver(while_starting: Optional[Callable[[], None]], **con
     except BaseException:
         _abort(controller, loop, run, thread)
         raise
-    if failure:
+    if failure:  # the control loop itself broke: its worker group, owned by this process, goes too
+        _abort(controller, loop, run, thread)
         raise failure[0]
     return controller.get_result()
 
@@ -99,6 +103,9 @@ def _abort(controller: TrainController, loop: asyncio.AbstractEventLoop, run: as
     if controller.get_state().is_terminal():
         return
     controller._controller_callback_manager.invoke_best_effort("before_controller_abort")
-    if controller.get_worker_group() is not None:
-        controller.get_worker_group().abort()
-    controller._set_state(AbortedState())
+    try:  # as Ray's own abort(): a failure here is logged, and the run's own error is what propagates
+        if controller.get_worker_group() is not None:
+            controller.get_worker_group().abort()
+        controller._set_state(AbortedState())
+    except Exception:  # noqa: BLE001
+        logger.exception("aborting Ray Train's worker group failed")
