@@ -12,7 +12,9 @@ the worker processes start as soon as Ray is up.
 It is the same controller (control loop, failure policy, checkpoint manager, callbacks); what
 differs is where it lives. A local Ray the driver started ends with the driver, so the
 controller's fate is already the driver's. On a cluster (``ray_address``) it stays an actor,
-where Ray Train puts it (a driver may be a ``ray job submit`` entrypoint or a client).
+where Ray Train puts it (a driver may be a ``ray job submit`` entrypoint or a client); and where
+Ray's Train state tracking is on (``RAY_TRAIN_ENABLE_STATE_TRACKING=1``, the dashboard's Train
+view), which records the controller's actor id and watches that actor.
 """
 
 from __future__ import annotations
@@ -23,11 +25,21 @@ import threading
 from typing import Callable, Optional
 
 import ray
+from ray._private.ray_constants import env_bool
+from ray.train.constants import RAY_TRAIN_ENABLE_STATE_TRACKING
 from ray.train.v2._internal.execution.controller import TrainController
 from ray.train.v2._internal.execution.controller.state import AbortedState
 from ray.train.v2._internal.execution.worker_group import WorkerGroup
 
+from .ray_session import started_local_ray
+
 logger = logging.getLogger(__name__)
+
+
+def controller_can_run_here() -> bool:
+    """Whether this run's controller may live in the driver: the driver started the local Ray it
+    runs on, and Ray's state tracking (which needs the controller to be an actor) is off."""
+    return started_local_ray() and not env_bool(RAY_TRAIN_ENABLE_STATE_TRACKING, False)
 
 
 class _DriverWorkerGroup(WorkerGroup):

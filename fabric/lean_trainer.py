@@ -15,8 +15,8 @@ Two of Ray Train's default controller callbacks start such an actor for nothing 
 Ray's preemption watcher is the third such actor; ray_session turns it off by Ray's own switch
 for a local Ray (no node of it is ever drained).
 
-And on a local Ray the driver started, the controller itself is no actor: it runs in the driver
-(fabric/driver_controller.py says why).
+And on a local Ray the driver started, the controller itself is no actor (unless Ray's Train
+state tracking is on): it runs in the driver (fabric/driver_controller.py says why).
 
 ``fit(while_starting=...)`` runs the driver's own work (tokenizing: fabric/launcher.py) after the
 controller has been created, so it overlaps the worker group's start instead of preceding it.
@@ -35,7 +35,7 @@ from ray.train.v2._internal.callbacks.placement_group_callback import PlacementG
 from ray.train.v2._internal.constants import DEFAULT_RAY_WARN_BLOCKING_GET_INSIDE_ASYNC_VALUE, get_env_vars_to_propagate
 from ray.train.v2._internal.execution.controller import TrainController
 
-from .driver_controller import run_controller_in_driver
+from .driver_controller import controller_can_run_here, run_controller_in_driver
 from .ray_session import started_local_ray
 
 
@@ -52,7 +52,7 @@ class LeanTrainer(DataParallelTrainer):
             self._while_starting = None
 
     def _initialize_and_run_controller(self, **controller_init_kwargs):
-        if started_local_ray():  # the controller in this process: fabric/driver_controller.py says why
+        if controller_can_run_here():  # the controller in this process: fabric/driver_controller.py says why
             return run_controller_in_driver(self._while_starting, **controller_init_kwargs)
         # Ray's own (ray/train/v2/api/data_parallel_trainer.py, Ray 2.60), with the hook between
         # starting the controller and waiting for it.

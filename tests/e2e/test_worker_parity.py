@@ -149,3 +149,14 @@ def test_each_worker_trains_on_its_own_half_of_the_data(ray_session, tmp_path, t
     rows1 = [i for batch in ranks[1] for i in batch]
     assert not set(rows0) & set(rows1), "both workers trained on the same rows"
     assert sorted(rows0 + rows1) == list(range(TRAIN_ROWS)), "an epoch must cover every row exactly once"
+
+
+def test_with_rays_train_state_tracking_the_controller_is_an_actor(ray_session, tmp_path, monkeypatch):
+    """Ray's Train state tracking (the dashboard's Train view) records the controller's actor id
+    and watches that actor, so with it on the controller stays an actor, and the run trains."""
+    monkeypatch.setenv("RAY_TRAIN_ENABLE_STATE_TRACKING", "1")
+    before = _actors()
+    result = run_exp(tiny_sft_config(tmp_path / "run", max_steps=3, logging_steps=1))
+    started = {name for actor_id, name in _actors().items() if actor_id not in before}
+    assert {"TrainController", "RayTrainWorker"} <= started, started
+    assert [s for s, _ in _losses(result.output_dir)] == [1, 2, 3]
