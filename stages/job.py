@@ -136,12 +136,11 @@ class StageJob:
         if self.receive_data is not None:
             self.train_dataset, self.eval_dataset = self.receive_data()
             self.receive_data = None
-        if self.training_args.ddp_find_unused_parameters is None and _is_peft_model(model):
-            # transformers assumes unused parameters in any model that is not a PreTrainedModel (a
-            # PeftModel is not): DDP then walks the autograd graph again every step, and warns on
-            # every rank that it found none. Every adapter and modules_to_save parameter is in the
-            # loss of the stages that train a PeftModel directly (LLaMA-Factory sets it likewise).
-            # (rm wraps its PeftModel in a value-head model, whose unused lm_head keeps the default.)
+        if self.training_args.ddp_find_unused_parameters is None and _every_trainable_weight_in_the_loss(model):
+            # transformers has DDP search for parameters without a gradient after every backward
+            # (another walk of the autograd graph per step, and on every rank a warning that it
+            # found none) in any model but a PreTrainedModel trained with gradient checkpointing.
+            # Where every trainable weight is in each step's loss, the search finds nothing.
             self.training_args.ddp_find_unused_parameters = False
         collator = self.collator(tokenizer, model)
         if getattr(collator, "needs_no_cache", False):
@@ -171,7 +170,19 @@ class StageJob:
         return save_outputs(trainer, tokenizer, template, result, self.spec.finetuning)
 
 
-def _is_peft_model(model) -> bool:
+def _every_trainable_weight_in_the_loss(model) -> bool:
+    """True for the models that the stages training them use whole in every step's loss:
+    a PeftModel (its adapters and modules_to_save; LLaMA-Factory turns the search off for LoRA
+    too), and the causal LM of a registered model family, all dense decoders (no experts routed
+    per token, no vision tower: registries/models/families.py). Not for the rest: rm's value-head
+    model never uses its LM head, a multimodal wrapper has a tower that text rows skip, and an
+    unregistered architecture may route tokens to experts."""
     from peft import PeftModel
+    from transformers import PreTrainedModel
 
-    return isinstance(model, PeftModel)
+    from registries.models.families import is_registered_model_type
+
+    if isinstance(model, PeftModel):
+        return True
+    return (isinstance(model, PreTrainedModel) and type(model).__name__.endswith("ForCausalLM")
+            and is_registered_model_type(model.config.model_type))

@@ -8,6 +8,10 @@ and which linear layers LoRA should target.
 Token facts describe the *instruct* checkpoints (e.g. Qwen2's eos is ``<|im_end|>``, not the
 base model's ``<|endoftext|>``), because those are what chat fine-tuning starts from; the
 templates re-point eos where a family needs it anyway (``replace_eos``).
+
+Every family registered here is a dense decoder: each weight of its ``...ForCausalLM`` is in
+every step's loss, so its DDP runs skip the search for parameters without a gradient
+(stages/job.py). A mixture-of-experts family would need a flag that says otherwise.
 """
 
 from __future__ import annotations
@@ -119,6 +123,10 @@ def family_for_model_type(model_type: str) -> ModelFamily:
             f"explicitly (and `lora_target:` for LoRA) to train this model anyway."
         )
     return _BY_MODEL_TYPE[model_type]
+
+
+def is_registered_model_type(model_type: str) -> bool:
+    return model_type in _BY_MODEL_TYPE
 
 
 def family_for_config(config: Any) -> ModelFamily:
