@@ -6,6 +6,7 @@ import logging
 import os
 
 import ray
+from ray._common.constants import RAY_WARN_BLOCKING_GET_INSIDE_ASYNC_ENV_VAR
 
 from .args import RayArguments
 
@@ -43,6 +44,11 @@ def connect(ray_args: RayArguments, extra_cpus: float = 0) -> dict:
             env_vars.setdefault("PYTHONPATH", _REPO_ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
             kwargs.setdefault("num_cpus", local_cpu_count(ray_args, extra_cpus))
             kwargs.setdefault("include_dashboard", False)
+            # Ray gives its Train controller actor this switch, and so every actor the controller
+            # starts: a streamed run's DatasetManager, an async actor whose shutdown ray.get()s.
+            # On this Ray the controller runs in the driver (driver_controller.py), so the job passes
+            # it on ("0", Ray Train's value; importing its constant would import Ray Train here).
+            env_vars.setdefault(RAY_WARN_BLOCKING_GET_INSIDE_ASYNC_ENV_VAR, "0")
             # Ray starts workers at nice 15, below its own daemons and this driver; a spinning
             # OpenMP thread of a training worker then stalls whenever one of them wakes (a 9M
             # model trained 18.1 -> 19.3 examples/s with nice 0, measured in benchmarks/README.md).
