@@ -9,7 +9,7 @@ from .config_types import ConfigError, coerce_key
 
 # Keys LLaMA-Factory YAMLs carry that mean nothing here: accepted, dropped, and reported as a note.
 IGNORED_KEYS = {
-    "preprocessing_num_workers": "Ray Data sizes the preprocessing parallelism itself",
+    "preprocessing_num_workers": "Ray Data sizes the preprocessing parallelism itself (see preprocessing_engine)",
     "preprocessing_batch_size": "Ray Data picks the preprocessing batch size",
     "overwrite_output_dir": (
         "transformers 5 removed it; output_dir is written into, and resuming needs resume_from_checkpoint"

@@ -1,7 +1,8 @@
 """Ray Data: read -> align (map_batches) -> mix -> split -> tokenize + mask (map_batches).
 
 The registries do the work (pure functions over column batches, seeded index plans for mixing
-and splitting); this module only decides where it runs. Rows keep their file order end to end,
+and splitting); this module only decides where it runs: small data in the driver process
+(fabric/driver_tokenizing.py), the rest in Ray Data tasks across the cluster. Rows keep their file order end to end,
 so the result equals running the same functions in one process (tests/e2e/test_data_pipeline.py).
 What the user should read (data ready, bad rows skipped, a reused tokenized_path) is logged at
 INFO or above: the CLI's console shows this package's records.
@@ -26,8 +27,9 @@ from registries.datasets.aligner import ALIGNED_COLUMNS, align_batch, aligned_ta
 from registries.datasets.args import DataArguments
 from registries.datasets.errors import DataConfigError, DatasetRowError
 from registries.datasets.info import get_dataset_attrs, train_and_eval_attrs
+from registries.datasets.loading import SHOWN_SKIPPED, check_not_empty, report_skipped
 from registries.datasets.mixing import mix_plan, split_plan
-from registries.datasets.readers import read_table, source_paths
+from registries.datasets.readers import data_files, read_table, source_paths
 from registries.datasets.stage_fields import DATASET_NEEDS, check_stage_fields
 from stages.table import StageSpec
 
@@ -36,6 +38,22 @@ from . import tokenized_cache
 logger = logging.getLogger(__name__)
 
 BATCH_SIZE = 512  # rows per tokenize call; also the window sft packing and pt blocks fill sequences from
+# preprocessing_engine "auto" tokenizes in the driver (fabric/driver_tokenizing.py) up to this
+# many bytes of data files, all datasets together: ~2-4 s of the driver's time here, hidden behind
+# the workers' start. Beyond it, Ray Data's parallel tasks pay for their processes
+# (benchmarks/README.md, "Small data in the driver").
+DRIVER_MAX_BYTES = 2 * 2**20
+
+
+def tokenizes_in_driver(data_args: DataArguments) -> bool:
+    """Whether the driver tokenizes: ``preprocessing_engine: driver``, or "auto" with small local
+    files (a hub dataset's size is not known before it is read: Ray Data reads it)."""
+    if data_args.preprocessing_engine != "auto":
+        return data_args.preprocessing_engine == "driver"
+    attrs = train_and_eval_attrs(data_args)
+    if any(attr.load_from != "file" for attr in attrs):
+        return False
+    return sum(os.path.getsize(path) for attr in attrs for path in data_files(attr)) <= DRIVER_MAX_BYTES
 
 
 @dataclass
@@ -71,6 +89,7 @@ def prepare_datasets(data_args: DataArguments, stage: StageSpec, seed: int, toke
     if data_args.tokenized_path:
         fingerprint = tokenized_cache.fingerprint(data_args, stage, seed, tokenizer, template)
     reused = tokenized_cache.reusable(data_args)
+    where = "by Ray Data"
     started = time.time()
     with pipeline_context():
         if reused:
@@ -79,6 +98,11 @@ def prepare_datasets(data_args: DataArguments, stage: StageSpec, seed: int, toke
             from .streaming_data import streamed_splits
 
             train, evaluation = streamed_splits(data_args, stage, seed, tokenizer, template)
+        elif tokenizes_in_driver(data_args):
+            from .driver_tokenizing import tokenized_in_driver
+
+            where = "in the driver"
+            train, evaluation = tokenized_in_driver(data_args, stage, seed, tokenizer, template, _sources(data_args))
         else:
             train, evaluation = _tokenized_splits(data_args, stage, seed, tokenizer, template)
     # A stream is never counted: that would run the whole pipeline once before training.
@@ -87,7 +111,7 @@ def prepare_datasets(data_args: DataArguments, stage: StageSpec, seed: int, toke
     if reused:
         logger.info("reusing tokenized data from %s: %s", data_args.tokenized_path, stats)
     else:
-        logger.info("data ready in %.1fs: %s", time.time() - started, stats)
+        logger.info("data ready in %.1fs (tokenized %s): %s", time.time() - started, where, stats)
         if data_args.tokenized_path:
             tokenized_cache.save(data_args.tokenized_path, train, evaluation, fingerprint)
     return PreparedData(train, evaluation, stats)
@@ -103,13 +127,19 @@ def _tokenized_splits(data_args: DataArguments, stage: StageSpec, seed: int, tok
         # Split aligned rows by the registries' seeded plan, as load_aligned does: the same seed
         # picks the same rows, and packing never puts a train and an eval example in one sequence.
         train, evaluation = _split(train, data_args.val_size, seed)
-    eval_source = f"eval_dataset {', '.join(data_args.eval_dataset)}" if data_args.eval_dataset else (
-        f"the val_size share of dataset {', '.join(data_args.dataset)}"
-    )
+    train_source, eval_source = _sources(data_args)
     return (
-        _tokenized_nonempty(train, preprocess, stage, "training", f"dataset {', '.join(data_args.dataset)}"),
+        _tokenized_nonempty(train, preprocess, stage, "training", train_source),
         _tokenized_nonempty(evaluation, preprocess, stage, "evaluation", eval_source) if evaluation is not None else None,
     )
+
+
+def _sources(data_args: DataArguments) -> tuple[str, str]:
+    """Where the training and the evaluation examples come from, in the user's words."""
+    train = f"dataset {', '.join(data_args.dataset)}"
+    if data_args.eval_dataset:
+        return train, f"eval_dataset {', '.join(data_args.eval_dataset)}"
+    return train, f"the val_size share of {train}"
 
 
 def _tokenized_nonempty(rows, preprocess, stage: StageSpec, split: str, where: str) -> "ray.data.Dataset":
@@ -117,19 +147,19 @@ def _tokenized_nonempty(rows, preprocess, stage: StageSpec, split: str, where: s
     fail there, four tracebacks deep."""
     result = tokenized(rows, preprocess)
     if result.count() == 0:
-        raise DataConfigError(nothing_left(split, where, rows, preprocess, stage))
+        raise DataConfigError(nothing_left(split, where, rows.take(BATCH_SIZE), rows.count(), preprocess, stage))
     return result
 
 
-def nothing_left(split: str, where: str, rows, preprocess, stage: StageSpec) -> str:
-    """Why no tokenized example is left: the stage's tokenizer counts what it skipped and why."""
-    sample = rows.take(BATCH_SIZE)
+def nothing_left(split: str, where: str, sample: list[dict], total: int, preprocess, stage: StageSpec) -> str:
+    """Why no tokenized example is left from ``total`` aligned rows: the stage's tokenizer counts
+    what it skipped, and why, in ``sample`` (the first of them)."""
     stats: Counter = Counter()
     if sample:
         preprocess.func({k: [r[k] for r in sample] for k in sample[0]}, stats=stats, **preprocess.keywords)
     reasons = ", ".join(f"{k.removeprefix('skipped_').replace('_', ' ')}: {n}" for k, n in stats.items()) or "none"
     return (
-        f"No {split} examples are left for stage {stage.name!r} from {where}: all {rows.count()} aligned rows were "
+        f"No {split} examples are left for stage {stage.name!r} from {where}: all {total} aligned rows were "
         f"dropped when tokenizing (rows skipped, by reason, in the first {len(sample)}: {reasons}). Stage "
         f"{stage.name!r} trains on {DATASET_NEEDS[stage.dataset_need]}: use a dataset of such rows."
     )
@@ -164,22 +194,12 @@ def tokenize_windows(rows, preprocess) -> "ray.data.Dataset":
 
 def _aligned(attr, data_args: DataArguments, seed: int) -> "ray.data.Dataset":
     table = read_table(attr, data_args.max_samples, seed)
-    if table.num_rows == 0:
-        raise DataConfigError(
-            f"Dataset {attr.name!r} is empty: {attr.source} (file_name in {attr.info_path}) holds no rows. "
-            "Fill it, or remove the dataset from the config."
-        )
+    check_not_empty(attr, table.num_rows)
     raw = ray.data.from_arrow(table)
     if data_args.skip_bad_rows:
         bad = _run(raw.map_batches(functools.partial(_bad_rows_block, attr=attr), batch_format="pyarrow"))
         if bad.count():
-            rows, total = bad.take(5), raw.count()
-            if bad.count() == total:  # as load_aligned: skipping every row means the entry is wrong
-                raise DataConfigError(
-                    f"Dataset {attr.name!r}: all {total} rows were bad and skipped, e.g. {rows[0]['_error']}. "
-                    f"Check its entry in {attr.info_path} (formatting, columns, tags)."
-                )
-            logger.warning("dataset %r: %s", attr.name, _skipped_summary(rows, bad.count(), total))
+            report_skipped(attr, [r["_error"] for r in bad.take(SHOWN_SKIPPED)], bad.count(), raw.count())
     return align_rows(raw, attr, data_args.skip_bad_rows)
 
 
@@ -282,12 +302,6 @@ def _bad_rows_block(table, attr):
 @_udf
 def _tokenize_block(table, preprocess):
     return preprocess(table.to_pydict())
-
-
-def _skipped_summary(rows, bad_count, total) -> str:
-    shown = "; ".join(r["_error"] for r in rows)  # each names its row, file and dataset
-    more = f"; and {bad_count - len(rows)} more" if bad_count > len(rows) else ""
-    return f"skipped {bad_count} of {total} rows (skip_bad_rows is on): {shown}{more}."
 
 
 def _run(dataset) -> "ray.data.Dataset":

@@ -27,7 +27,8 @@ META = "rayfactory_tokenized.json"
 
 # DataArguments that do not change a single tokenized row; every other one is in the fingerprint,
 # so a new data option is covered without anyone remembering to list it here.
-ROW_NEUTRAL = ("tokenized_path", "overwrite_cache", "padding_free")  # padding_free lays out batches, not rows
+# padding_free lays out batches, not rows; both preprocessing engines give the same rows.
+ROW_NEUTRAL = ("tokenized_path", "overwrite_cache", "padding_free", "preprocessing_engine")
 
 
 def fingerprint(data_args: DataArguments, stage: StageSpec, seed: int, tokenizer, template) -> dict:

@@ -93,9 +93,13 @@ def bad_rows_batch(batch: dict[str, list], attr: DatasetAttr) -> dict[str, list]
 def skip_report(errors: list[DatasetRowError], total: int, limit: int = 5) -> str:
     if not errors:
         return ""
-    shown = "; ".join(e.short for e in errors[:limit])
-    more = f"; and {len(errors) - limit} more" if len(errors) > limit else ""
-    return f"Skipped {len(errors)} of {total} rows (skip_bad_rows is on): {shown}{more}."
+    return skipped_summary([e.short for e in errors[:limit]], len(errors), total)
+
+
+def skipped_summary(shown: list[str], skipped: int, total: int) -> str:
+    """``skipped`` of ``total`` rows were bad; ``shown`` names the first few (each its row, file and dataset)."""
+    more = f"; and {skipped - len(shown)} more" if skipped > len(shown) else ""
+    return f"skipped {skipped} of {total} rows (skip_bad_rows is on): {'; '.join(shown)}{more}."
 
 
 def aligned_schema():

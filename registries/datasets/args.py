@@ -14,6 +14,8 @@ from typing import Any
 from .errors import DataConfigError
 
 MIX_STRATEGIES = ("concat", "interleave_under", "interleave_over")
+# Where the data is read, aligned and tokenized (fabric/data_pipeline.py decides "auto" by size).
+PREPROCESSING_ENGINES = ("auto", "driver", "ray_data")
 
 
 @dataclass
@@ -45,6 +47,9 @@ class DataArguments:
     buffer_size: int = 16384  # rows in each worker's local shuffle buffer while streaming
     # RayFactory's own: drop malformed rows (and report them) instead of stopping at the first.
     skip_bad_rows: bool = False
+    # RayFactory's own: "driver" tokenizes in the driver process, "ray_data" in Ray Data tasks
+    # across the cluster; "auto" picks the driver for small data files (the same rows either way).
+    preprocessing_engine: str = "auto"
 
     def __post_init__(self) -> None:
         self.dataset = _name_list("dataset", self.dataset)
@@ -63,6 +68,8 @@ class DataArguments:
             _fail("cutoff_len", self.cutoff_len, "a positive integer (the maximum tokens per example)")
         if self.max_samples is not None and (not _is_int(self.max_samples) or self.max_samples <= 0):
             _fail("max_samples", self.max_samples, "a positive integer, or null for all rows")
+        if self.preprocessing_engine not in PREPROCESSING_ENGINES:
+            _fail("preprocessing_engine", self.preprocessing_engine, f"one of {', '.join(PREPROCESSING_ENGINES)}")
         self._check_val_size()
         self._check_mixing()
         self._check_streaming()
@@ -134,6 +141,8 @@ class DataArguments:
             (self.mix_strategy != "concat", "mix_strategy " + repr(self.mix_strategy),
              "interleaving plans over every dataset's length; use mix_strategy: concat"),
             (self.tokenized_path, "tokenized_path", "a streamed dataset is never stored whole; remove tokenized_path"),
+            (self.preprocessing_engine == "driver", "preprocessing_engine 'driver'",
+             "a stream is read by Ray Data tasks as the workers train; remove preprocessing_engine"),
         ]
         for active, name, why in conflicts:
             if active:

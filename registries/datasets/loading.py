@@ -10,7 +10,7 @@ import logging
 from dataclasses import dataclass, field
 from typing import Any
 
-from .aligner import align_rows, skip_report
+from .aligner import align_rows, skipped_summary
 from .args import DataArguments
 from .errors import DataConfigError, DatasetRowError
 from .info import DatasetAttr, get_dataset_attrs
@@ -44,16 +44,34 @@ def load_aligned(args: DataArguments, stage: str, need: str = "plain", seed: int
 
 def load_one(attr: DatasetAttr, args: DataArguments, seed: int, skipped: list[DatasetRowError]) -> list[dict[str, Any]]:
     rows = read_rows(attr, args.max_samples, seed)
+    check_not_empty(attr, len(rows))
     result = align_rows(rows, attr, args.skip_bad_rows)
     if result.skipped:
         skipped += result.skipped
-        logger.warning("Dataset %r: %s", attr.name, skip_report(result.skipped, len(rows)))
-    if rows and not result.examples:
+        report_skipped(attr, [e.short for e in result.skipped[:SHOWN_SKIPPED]], len(result.skipped), len(rows))
+    return result.examples
+
+
+SHOWN_SKIPPED = 5  # bad rows named in the report; the rest are counted
+
+
+def report_skipped(attr: DatasetAttr, shown: list[str], skipped: int, total: int) -> None:
+    """Rows skipped by skip_bad_rows, reported; skipping every row means the entry is wrong."""
+    if skipped == total:
         raise DataConfigError(
-            f"Dataset {attr.name!r}: all {len(rows)} rows were bad and skipped, e.g. {result.skipped[0].short}. "
+            f"Dataset {attr.name!r}: all {total} rows were bad and skipped, e.g. {shown[0]}. "
             f"Check its entry in {attr.info_path} (formatting, columns, tags)."
         )
-    return result.examples
+    logger.warning("dataset %r: %s", attr.name, skipped_summary(shown, skipped, total))
+
+
+def check_not_empty(attr: DatasetAttr, rows: int) -> None:
+    """A dataset whose source holds no rows is a mistake in the config, not an empty run."""
+    if rows == 0:
+        raise DataConfigError(
+            f"Dataset {attr.name!r} is empty: {attr.source} (file_name in {attr.info_path}) holds no rows. "
+            "Fill it, or remove the dataset from the config."
+        )
 
 
 def _load_mixed(attrs: list[DatasetAttr], args: DataArguments, seed: int, skipped: list) -> list[dict[str, Any]]:

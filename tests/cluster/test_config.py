@@ -101,7 +101,8 @@ def test_llamafactory_sft_lora_yaml_loads_unchanged(tmp_path):
         "warmup_steps": 0.1,  # transformers 5 has no warmup_ratio: a float below 1 is the ratio
     }
     assert run.notes == [
-        "ignored 'preprocessing_num_workers' from cfg.yaml: Ray Data sizes the preprocessing parallelism itself.",
+        "ignored 'preprocessing_num_workers' from cfg.yaml: Ray Data sizes the preprocessing parallelism itself "
+        "(see preprocessing_engine).",
         "ignored 'overwrite_output_dir' from cfg.yaml: transformers 5 removed it; output_dir is written into, "
         "and resuming needs resume_from_checkpoint.",
         "translated warmup_ratio: 0.1 to warmup_steps: 0.1.",

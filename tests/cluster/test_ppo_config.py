@@ -109,7 +109,8 @@ def test_llamafactory_ppo_lora_yaml_loads(tmp_path):
     assert run.data.overwrite_cache is True and run.data.cutoff_len == 2048 and run.data.max_samples == 1000
     assert run.training.values["dataloader_num_workers"] == 4 and run.training.values["learning_rate"] == 1.0e-5
     assert run.notes == [
-        "ignored 'preprocessing_num_workers' from cfg.yaml: Ray Data sizes the preprocessing parallelism itself.",
+        "ignored 'preprocessing_num_workers' from cfg.yaml: Ray Data sizes the preprocessing parallelism itself "
+        "(see preprocessing_engine).",
         "ignored 'overwrite_output_dir' from cfg.yaml: transformers 5 removed it; output_dir is written into, "
         "and resuming needs resume_from_checkpoint.",
         "translated warmup_ratio: 0.1 to warmup_steps: 0.1.",

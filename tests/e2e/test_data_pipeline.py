@@ -1,13 +1,17 @@
-"""The Ray Data pipeline equals the in-process library, row for row, and tokenized_path reuse works.
+"""The Ray Data pipeline equals the in-process library, row for row; the driver engine equals Ray
+Data, block contents and types; and tokenized_path reuse works.
 
 Reference side: ``registries.datasets.loading.load_aligned`` (read, align, mix, split) and then the
 stage table's ``preprocess_fn`` over consecutive windows of ``BATCH_SIZE`` aligned rows. The window
 is part of the contract: sft packing and pt blocks fill sequences within one window, so the
-pipeline must cut the same windows however Ray happens to cut blocks.
+pipeline must cut the same windows however Ray happens to cut blocks. The tests run Ray Data
+(``preprocessing_engine: ray_data``) unless they say otherwise: the demo data is small enough
+that ``auto`` would tokenize it in the driver.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import os
@@ -21,7 +25,7 @@ from fabric.data_pipeline import BATCH_SIZE, prepare_datasets
 from registries.datasets.errors import DataConfigError
 from registries.datasets.loading import load_aligned
 from stages.loading import load_tokenizer_and_template
-from tests.e2e.conftest import REPO_ROOT, tiny_sft_config
+from tests.e2e.conftest import DATA_DIR, REPO_ROOT, tiny_sft_config
 
 COLUMNS = ("input_ids", "attention_mask", "labels")
 
@@ -34,9 +38,10 @@ def tokenizer_and_template():
 
 @pytest.fixture
 def prepare(ray_session, tokenizer_and_template, tmp_path):
-    """config overrides -> (config, pipeline result) through real Ray Data."""
+    """config overrides -> (config, pipeline result) through real Ray Data (or the engine named)."""
 
     def run(**overrides):
+        overrides.setdefault("preprocessing_engine", "ray_data")
         cfg = load_config(tiny_sft_config(tmp_path / "out", **overrides))
         return cfg, prepare_datasets(cfg.data, cfg.finetuning.spec, cfg.training.seed, *tokenizer_and_template)
 
@@ -89,6 +94,55 @@ def test_pipeline_equals_in_process_library(prepare, tokenizer_and_template, ove
         assert evaluation
 
 
+ENGINE_CASES = {
+    **CASES,
+    "sft-packing-3-datasets": dict(dataset="tasks_sharegpt,tasks_openai,arith_train", max_samples=300, packing=True,
+                                   cutoff_len=256),
+    "dpo-pairs-val-fraction": dict(stage="dpo", dataset="arith_pref", val_size=0.1),
+    "kto-feedback": dict(stage="kto", dataset="arith_kto", eval_dataset="arith_kto_eval"),
+    "sft-skip-bad-rows": dict(dataset="arith_train", skip_bad_rows=True),
+}
+
+
+@pytest.mark.parametrize("overrides", ENGINE_CASES.values(), ids=ENGINE_CASES.keys())
+def test_driver_engine_gives_ray_datas_blocks(prepare, overrides):
+    """The same tables (values, column types, order) from the driver as from Ray Data's tasks, so the
+    workers cannot tell them apart; the driver's come with their metadata (no Ray task counts them)."""
+    import pyarrow as pa
+    import ray
+
+    def tables(prepared):
+        splits = [prepared.train] + ([prepared.eval] if prepared.eval is not None else [])
+        return [pa.concat_tables(ray.get(split.to_arrow_refs())) for split in splits]
+
+    _, by_ray_data = prepare(**overrides)
+    _, by_driver = prepare(**overrides, preprocessing_engine="driver")
+    expected, got = tables(by_ray_data), tables(by_driver)
+    assert len(got) == len(expected) == (2 if "val_size" in overrides or "eval_dataset" in overrides else 1)
+    for want, have in zip(expected, got):
+        assert have.schema == want.schema and have.num_rows == want.num_rows > 0
+        assert have.equals(want)
+    assert by_driver.stats == by_ray_data.stats
+
+
+def test_auto_engine_tokenizes_small_files_in_the_driver(tmp_path):
+    from fabric.data_pipeline import DRIVER_MAX_BYTES, tokenizes_in_driver
+    from registries.datasets.args import DataArguments
+
+    demo = DataArguments(dataset="arith_train,tasks_sharegpt", eval_dataset="arith_eval", dataset_dir=DATA_DIR)
+    assert tokenizes_in_driver(demo)
+    assert not tokenizes_in_driver(dataclasses.replace(demo, preprocessing_engine="ray_data"))
+    (tmp_path / "big.jsonl").write_text((json.dumps({"text": "x" * 1000}) + "\n") * (DRIVER_MAX_BYTES // 1000))
+    (tmp_path / "dataset_info.json").write_text(json.dumps({
+        "big": {"file_name": "big.jsonl", "columns": {"prompt": "text"}},
+        "hub": {"hf_hub_url": "someone/some-data"},
+    }))
+    big = DataArguments(dataset="big", dataset_dir=str(tmp_path))
+    assert not tokenizes_in_driver(big)  # over DRIVER_MAX_BYTES
+    assert tokenizes_in_driver(dataclasses.replace(big, preprocessing_engine="driver"))
+    assert not tokenizes_in_driver(DataArguments(dataset="hub", dataset_dir=str(tmp_path)))  # size unknown
+
+
 def test_sft_packing_fills_windows_of_batch_size_rows_across_dataset_boundaries(prepare, tokenizer_and_template):
     # 3 x 300 aligned rows: Ray gets three blocks of 300; windows are rows [0, 512) and [512, 900).
     cfg, prepared = prepare(
@@ -128,9 +182,10 @@ def test_val_split_partitions_rows_and_is_seeded(prepare):
     assert rows_of(other_seed.eval) != evaluation and len(rows_of(other_seed.eval)) == 32
 
 
-def test_val_size_leaving_no_training_rows_is_a_clear_error(prepare):
+@pytest.mark.parametrize("engine", ["ray_data", "driver"])
+def test_val_size_leaving_no_training_rows_is_a_clear_error(prepare, engine):
     with pytest.raises(DataConfigError) as err:
-        prepare(dataset="identity", val_size=24)
+        prepare(dataset="identity", val_size=24, preprocessing_engine=engine)
     assert str(err.value) == (
         "val_size 24 asks for 24 validation rows, but the training data has only 24; "
         "lower val_size so some rows remain for training."
@@ -248,20 +303,22 @@ def test_row_order_does_not_depend_on_a_global_ray_data_setting(prepare, tokeniz
     assert rows_of(prepared.train) == train
 
 
-def test_empty_dataset_file_fails_before_training_naming_it(prepare, own_data):
+@pytest.mark.parametrize("engine", ["ray_data", "driver"])
+def test_empty_dataset_file_fails_before_training_naming_it(prepare, own_data, engine):
     info = json.loads((own_data / "dataset_info.json").read_text())
     info["empty_one"] = {"file_name": "empty.json"}
     (own_data / "dataset_info.json").write_text(json.dumps(info))
     (own_data / "empty.json").write_text("[]")
     with pytest.raises(DataConfigError) as err:
-        prepare(dataset="arith_train,empty_one", dataset_dir=str(own_data))
+        prepare(dataset="arith_train,empty_one", dataset_dir=str(own_data), preprocessing_engine=engine)
     assert str(err.value) == (
         f"Dataset 'empty_one' is empty: {own_data / 'empty.json'} (file_name in {own_data / 'dataset_info.json'}) "
         "holds no rows. Fill it, or remove the dataset from the config."
     )
 
 
-def test_no_rows_left_after_tokenizing_fails_in_the_driver_with_the_reason(prepare, own_data):
+@pytest.mark.parametrize("engine", ["ray_data", "driver"])
+def test_no_rows_left_after_tokenizing_fails_in_the_driver_with_the_reason(prepare, own_data, engine):
     """Every row aligned fine, but pt can use none of them (multi-turn chats are not one text):
     the driver says so instead of Ray Train failing with "No columns in the dataset match the
     model's forward method signature"."""
@@ -272,7 +329,7 @@ def test_no_rows_left_after_tokenizing_fails_in_the_driver_with_the_reason(prepa
     chats = [{"conversations": [{"from": who, "value": f"{text} {i}"} for who, text in turns]} for i in range(6)]
     (own_data / "chats.json").write_text(json.dumps(chats))
     with pytest.raises(DataConfigError) as err:
-        prepare(stage="pt", dataset="chats", dataset_dir=str(own_data))
+        prepare(stage="pt", dataset="chats", dataset_dir=str(own_data), preprocessing_engine=engine)
     assert str(err.value) == (
         "No training examples are left for stage 'pt' from dataset chats: all 6 aligned rows were dropped "
         "when tokenizing (rows skipped, by reason, in the first 6: not text: 6). Stage 'pt' trains on one answer "

@@ -5,7 +5,8 @@ own small dataset_dir. Mistakes that need no cluster (unknown names, a missing m
 that cannot serve the stage) must fail before Ray starts: those runs get ``RAY_ADDRESS=""``, so a
 regression would start a local Ray, which logs "Started a local Ray instance" (to the run's
 rayfactory.log). Mistakes found by Ray (a bad row inside a Ray Data task, too few CPUs) join the
-test session's Ray instead of starting one per case (~15 s each on 2 cores).
+test session's Ray instead of starting one per case (~15 s each on 2 cores). A bad row reads the
+same whether the driver or a Ray Data task tokenized it (``preprocessing_engine``).
 """
 
 from __future__ import annotations
@@ -89,9 +90,10 @@ def session_address(ray_session):
     return ray_session.get_runtime_context().gcs_address
 
 
-def test_bad_row_names_dataset_file_row_and_field(tmp_path, session_address):
+@pytest.mark.parametrize("engine", ["driver", "ray_data"])
+def test_bad_row_names_dataset_file_row_and_field(tmp_path, session_address, engine):
     source = write_dataset(tmp_path)
-    write_config(tmp_path)
+    write_config(tmp_path, preprocessing_engine=engine)
     message = error_paragraph(rayfactory_train(tmp_path, session_address))
     assert message == (
         f"row {BAD_ROW} of {source} (dataset 'mine'): column 'output' is a list, expected a string. "
@@ -132,9 +134,10 @@ def cpus_stay_free(ray, seconds: float = 15, release_s: float = 3) -> bool:
     return True
 
 
-def test_skip_bad_rows_trains_and_reports_the_skipped_row(tmp_path, session_address):
+@pytest.mark.parametrize("engine", ["driver", "ray_data"])
+def test_skip_bad_rows_trains_and_reports_the_skipped_row(tmp_path, session_address, engine):
     source = write_dataset(tmp_path)
-    write_config(tmp_path, skip_bad_rows=True, max_steps=2)
+    write_config(tmp_path, skip_bad_rows=True, max_steps=2, preprocessing_engine=engine)
     done = rayfactory_train(tmp_path, session_address)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     assert (

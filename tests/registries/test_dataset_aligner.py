@@ -422,7 +422,7 @@ def test_skip_bad_rows_counts_and_reports(data_dir):
     assert [e["_source_row"] for e in result.examples] == [1, 3, 5]
     assert [(e.row, e.field) for e in result.skipped] == [(2, "output"), (4, "instruction")]
     assert result.report() == (
-        "Skipped 2 of 5 rows (skip_bad_rows is on): "
+        "skipped 2 of 5 rows (skip_bad_rows is on): "
         "row 2 of data/my.json (dataset 'my'): column 'output' is a list, expected a string; "
         "row 4 of data/my.json (dataset 'my'): column 'instruction' is missing (the row has columns: 'output')."
     )

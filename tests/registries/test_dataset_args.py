@@ -13,6 +13,7 @@ def test_defaults_match_llamafactory():
         "max_samples": None, "val_size": 0.0, "packing": None, "neat_packing": False, "tool_format": None,
         "default_system": None, "enable_thinking": True, "tokenized_path": None, "overwrite_cache": False,
         "skip_bad_rows": False, "streaming": False, "buffer_size": 16384, "padding_free": None,
+        "preprocessing_engine": "auto",
     }
 
 
@@ -25,6 +26,20 @@ def test_comma_separated_names_become_lists():
 def test_interleave_probs_from_string():
     args = DataArguments(dataset="a,b", mix_strategy="interleave_under", interleave_probs="0.7, 0.3")
     assert args.interleave_probs == [0.7, 0.3]
+
+
+def test_preprocessing_engine_is_one_of_three_and_a_stream_needs_ray_data():
+    assert DataArguments(preprocessing_engine="driver").preprocessing_engine == "driver"
+    with pytest.raises(DataConfigError) as err:
+        DataArguments(preprocessing_engine="local")
+    assert str(err.value) == "Data arguments: preprocessing_engine is 'local'; expected one of auto, driver, ray_data."
+    with pytest.raises(DataConfigError) as err:
+        DataArguments(dataset="a", streaming=True, preprocessing_engine="driver")
+    assert str(err.value) == (
+        "Data arguments: streaming: true cannot be combined with preprocessing_engine 'driver': a stream is read "
+        "by Ray Data tasks as the workers train; remove preprocessing_engine, or set streaming: false."
+    )
+    assert DataArguments(dataset="a", streaming=True, preprocessing_engine="ray_data").streaming
 
 
 def test_neat_packing_turns_packing_on():
