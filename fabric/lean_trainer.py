@@ -13,7 +13,10 @@ Two of Ray Train's default controller callbacks start such an actor for nothing 
   with the driver, placement groups and all; on a cluster it stays.
 
 Ray's preemption watcher is the third such actor; ray_session turns it off by Ray's own switch
-for a local Ray (no node of it is ever drained).
+for a local Ray (no node of it is ever drained). The fourth is Ray Data's autoscaling coordinator,
+which Ray Train's scaling policy asks for the run's resources before it starts the worker group:
+that request is for a cluster's autoscaler, and a local Ray the driver started has none, so its
+policy makes no request (``LocalScalingPolicy``).
 
 And on a local Ray the driver started, the controller itself is no actor (unless Ray's Train
 state tracking is on): it runs in the driver (fabric/driver_controller.py says why).
@@ -34,6 +37,7 @@ from ray.train.v2._internal.callbacks import DatasetsCallback
 from ray.train.v2._internal.callbacks.placement_group_callback import PlacementGroupCleanerCallback
 from ray.train.v2._internal.constants import DEFAULT_RAY_WARN_BLOCKING_GET_INSIDE_ASYNC_VALUE, get_env_vars_to_propagate
 from ray.train.v2._internal.execution.controller import TrainController
+from ray.train.v2._internal.execution.scaling_policy.fixed import FixedScalingPolicy
 
 from .driver_controller import controller_can_run_here, run_controller_in_driver
 from .ray_session import started_local_ray
@@ -52,6 +56,8 @@ class LeanTrainer(DataParallelTrainer):
             self._while_starting = None
 
     def _initialize_and_run_controller(self, **controller_init_kwargs):
+        if started_local_ray() and type(controller_init_kwargs["scaling_policy"]) is FixedScalingPolicy:
+            controller_init_kwargs["scaling_policy"] = LocalScalingPolicy(self.scaling_config)
         if controller_can_run_here():  # the controller in this process: fabric/driver_controller.py says why
             return run_controller_in_driver(self._while_starting, **controller_init_kwargs)
         # Ray's own (ray/train/v2/api/data_parallel_trainer.py, Ray 2.60), with the hook between
@@ -83,6 +89,25 @@ class LeanTrainer(DataParallelTrainer):
         if started_local_ray():
             unused += (PlacementGroupCleanerCallback,)
         return [callback for callback in super()._create_default_callbacks() if not isinstance(callback, unused)]
+
+
+class LocalScalingPolicy(FixedScalingPolicy):
+    """Ray's fixed-size policy without its resource requests to Ray Data's autoscaling coordinator.
+
+    They tell a cluster's autoscaler what the run needs (every 20 s while it runs). The first one
+    starts the coordinator, an actor whose process imports Ray Data, and waits for its answer
+    before the worker group is started: on 2 cores, ~1 CPU-second beside the starting workers.
+    A local Ray the driver started has no autoscaler to tell.
+    """
+
+    def after_controller_start(self, train_run_context) -> None:
+        pass
+
+    def _maybe_send_resource_request(self) -> None:
+        pass
+
+    def _cancel_resource_request(self) -> None:
+        pass
 
 
 def _abort(controller) -> None:

@@ -109,10 +109,12 @@ def cluster():
 
 
 def _config(tmp_path, address: str, **overrides) -> dict:
+    # Ray Data tokenizes, in tasks across the nodes: the demo data is small enough that
+    # preprocessing_engine: auto would tokenize it in the driver.
     return tiny_sft_config(
         tmp_path / "out", ray_address=address, ray_num_workers=2, resources_per_worker={"CPU": 1, "train_slot": 1},
         max_steps=MAX_STEPS, save_steps=SAVE_STEPS, ray_storage_path=str(tmp_path / "shared" / "ray_results"),
-        **overrides,
+        preprocessing_engine="ray_data", **overrides,
     )
 
 
