@@ -2,8 +2,9 @@
 
 The registries do the work (pure functions over column batches, seeded index plans for mixing
 and splitting); this module only decides where it runs: small data in the driver process
-(fabric/driver_tokenizing.py), the rest in Ray Data tasks across the cluster. Rows keep their file order end to end,
-so the result equals running the same functions in one process (tests/e2e/test_data_pipeline.py).
+(fabric/driver_tokenizing.py), the rest in Ray Data tasks across the cluster. Rows keep their
+file order end to end, so the result equals running the same functions in one process
+(tests/e2e/test_data_pipeline.py).
 What the user should read (data ready, bad rows skipped, a reused tokenized_path) is logged at
 INFO or above: the CLI's console shows this package's records.
 """
@@ -27,7 +28,8 @@ from registries.datasets.aligner import ALIGNED_COLUMNS, align_batch, aligned_ta
 from registries.datasets.args import DataArguments
 from registries.datasets.errors import DataConfigError, DatasetRowError
 from registries.datasets.info import get_dataset_attrs, train_and_eval_attrs
-from registries.datasets.loading import SHOWN_SKIPPED, check_not_empty, report_skipped
+from registries.datasets.aligner import SHOWN_SKIPPED
+from registries.datasets.loading import check_not_empty, report_skipped
 from registries.datasets.mixing import mix_plan, split_plan
 from registries.datasets.readers import data_files, read_table, source_paths
 from registries.datasets.stage_fields import DATASET_NEEDS, check_stage_fields
@@ -102,7 +104,7 @@ def prepare_datasets(data_args: DataArguments, stage: StageSpec, seed: int, toke
             from .driver_tokenizing import tokenized_in_driver
 
             where = "in the driver"
-            train, evaluation = tokenized_in_driver(data_args, stage, seed, tokenizer, template, _sources(data_args))
+            train, evaluation = tokenized_in_driver(data_args, stage, seed, tokenizer, template)
         else:
             train, evaluation = _tokenized_splits(data_args, stage, seed, tokenizer, template)
     # A stream is never counted: that would run the whole pipeline once before training.
@@ -127,14 +129,14 @@ def _tokenized_splits(data_args: DataArguments, stage: StageSpec, seed: int, tok
         # Split aligned rows by the registries' seeded plan, as load_aligned does: the same seed
         # picks the same rows, and packing never puts a train and an eval example in one sequence.
         train, evaluation = _split(train, data_args.val_size, seed)
-    train_source, eval_source = _sources(data_args)
+    train_source, eval_source = split_sources(data_args)
     return (
         _tokenized_nonempty(train, preprocess, stage, "training", train_source),
         _tokenized_nonempty(evaluation, preprocess, stage, "evaluation", eval_source) if evaluation is not None else None,
     )
 
 
-def _sources(data_args: DataArguments) -> tuple[str, str]:
+def split_sources(data_args: DataArguments) -> tuple[str, str]:
     """Where the training and the evaluation examples come from, in the user's words."""
     train = f"dataset {', '.join(data_args.dataset)}"
     if data_args.eval_dataset:

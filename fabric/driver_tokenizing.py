@@ -23,13 +23,13 @@ from registries.datasets.errors import DataConfigError
 from registries.datasets.loading import load_aligned
 from stages.table import StageSpec
 
-from .data_pipeline import BATCH_SIZE, nothing_left
+from .data_pipeline import BATCH_SIZE, nothing_left, split_sources
 
 
-def tokenized_in_driver(data_args: DataArguments, stage: StageSpec, seed: int, tokenizer, template,
-                        sources: tuple[str, str]) -> tuple["ray.data.Dataset", Optional["ray.data.Dataset"]]:
-    """The tokenized train and eval datasets (eval None without one); ``sources`` says where
-    each comes from, for the error when tokenizing leaves no example."""
+def tokenized_in_driver(data_args: DataArguments, stage: StageSpec, seed: int, tokenizer,
+                        template) -> tuple["ray.data.Dataset", Optional["ray.data.Dataset"]]:
+    """The tokenized train and eval datasets (eval None without one)."""
+    sources = split_sources(data_args)  # for the error when tokenizing leaves no example
     loaded = load_aligned(data_args, stage.name, stage.dataset_need, seed)
     preprocess = stage.preprocess_fn(tokenizer, template, data_args)
     train = _tokenized_split(loaded.train, preprocess, stage, "training", sources[0])

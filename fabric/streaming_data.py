@@ -29,7 +29,8 @@ from registries.datasets.stage_fields import check_stage_fields
 from stages.table import StageSpec
 
 from .data_pipeline import (
-    BATCH_SIZE, CarriedDataError, aligned_mixed, align_rows, nothing_left, tokenize_windows, tokenized, user_errors_raised,
+    BATCH_SIZE, CarriedDataError, aligned_mixed, align_rows, nothing_left, tokenize_windows, tokenized,
+    split_sources, user_errors_raised,
 )
 
 logger = logging.getLogger(__name__)
@@ -89,5 +90,5 @@ def _check_first_example(train, rows, preprocess, stage: StageSpec, data_args: D
     with user_errors_raised():
         if train.take(1):
             return
-    where = f"dataset {', '.join(data_args.dataset)}"
+    where = split_sources(data_args)[0]
     raise DataConfigError(nothing_left("training", where, rows.take(BATCH_SIZE), rows.count(), preprocess, stage))

@@ -90,7 +90,10 @@ def bad_rows_batch(batch: dict[str, list], attr: DatasetAttr) -> dict[str, list]
     }
 
 
-def skip_report(errors: list[DatasetRowError], total: int, limit: int = 5) -> str:
+SHOWN_SKIPPED = 5  # bad rows a report names; the rest are counted
+
+
+def skip_report(errors: list[DatasetRowError], total: int, limit: int = SHOWN_SKIPPED) -> str:
     if not errors:
         return ""
     return skipped_summary([e.short for e in errors[:limit]], len(errors), total)

@@ -10,7 +10,7 @@ import logging
 from dataclasses import dataclass, field
 from typing import Any
 
-from .aligner import align_rows, skipped_summary
+from .aligner import SHOWN_SKIPPED, align_rows, skipped_summary
 from .args import DataArguments
 from .errors import DataConfigError, DatasetRowError
 from .info import DatasetAttr, get_dataset_attrs
@@ -50,9 +50,6 @@ def load_one(attr: DatasetAttr, args: DataArguments, seed: int, skipped: list[Da
         skipped += result.skipped
         report_skipped(attr, [e.short for e in result.skipped[:SHOWN_SKIPPED]], len(result.skipped), len(rows))
     return result.examples
-
-
-SHOWN_SKIPPED = 5  # bad rows named in the report; the rest are counted
 
 
 def report_skipped(attr: DatasetAttr, shown: list[str], skipped: int, total: int) -> None:
