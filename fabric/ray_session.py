@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
+import time
 
 import ray
 from ray._common.constants import RAY_WARN_BLOCKING_GET_INSIDE_ASYNC_ENV_VAR
@@ -71,12 +73,59 @@ def connect(ray_args: RayArguments, extra_cpus: float = 0) -> dict:
         runtime_env["env_vars"] = env_vars
         # Every worker's and actor's output comes to this process's stdout/stderr: the CLI sends
         # those to the run's log file (cluster/console.py), so nothing a worker says is lost.
-        ray.init(address=address, runtime_env=runtime_env, log_to_driver=True, **kwargs)
+        with _registration_polled_often() if address == "local" else contextlib.nullcontext():
+            ray.init(address=address, runtime_env=runtime_env, log_to_driver=True, **kwargs)
         _session["started_local"] = ray.get_runtime_context().gcs_address if address == "local" else None
     quiet_ray_data()
     resources = ray.cluster_resources()
     logger.debug("Ray resources: %s", {k: v for k, v in resources.items() if not k.startswith("node:")})
     return resources
+
+
+@contextlib.contextmanager
+def _registration_polled_often():
+    """``ray.init()`` of a new local Ray, without up to 2 s of sleeping.
+
+    Having started the raylet, ray.init waits 0.1 s and asks the GCS for the new node; until the
+    raylet has registered, Ray's C++ lookup (GlobalStateAccessor::GetNode, Ray 2.60) sleeps a fixed
+    second between asks. Registering takes ~0.2-1.5 s here, so ray.init took 2.1 or 3.1 s, in
+    whole-second steps. Ray's lookup runs as before, only once the node is there.
+    """
+    services = ray._private.services
+    lookup = getattr(services, "get_node", None)
+    if lookup is None:  # another Ray: its own way
+        yield
+        return
+
+    def get_node(gcs_address, node_id):
+        wait_for_node(gcs_address, node_id)
+        return lookup(gcs_address, node_id)
+
+    services.get_node = get_node
+    try:
+        yield
+    finally:
+        services.get_node = lookup
+
+
+def wait_for_node(gcs_address: str, node_id: str, timeout_s: float = 30, interval_s: float = 0.1) -> bool:
+    """Whether the node ``node_id`` (hex) registered with the GCS at ``gcs_address`` as alive
+    within ``timeout_s``, asked every ``interval_s``."""
+    from ray._raylet import GcsClient
+    from ray.core.generated.gcs_pb2 import GcsNodeInfo
+
+    client = GcsClient(address=gcs_address)
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            nodes = client.get_all_node_info(timeout=1)
+        except Exception:  # noqa: BLE001 - not answering yet; Ray's own lookup reports a GCS that never does
+            nodes = {}
+        if any(key.hex() == node_id and info.state == GcsNodeInfo.ALIVE for key, info in nodes.items()):
+            return True
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(interval_s)
 
 
 def shutdown() -> None:
