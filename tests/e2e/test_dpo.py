@@ -55,7 +55,9 @@ class ParameterCensus(TrainerCallback):
     def on_train_begin(self, args, state, control, model=None, **kwargs):
         if not state.is_world_process_zero:  # every rank holds the same objects
             return
+        gc.unfreeze()  # the stage froze what it made before training, and frozen objects are not listed
         alive = {id(o): o for o in gc.get_objects() if isinstance(o, torch.nn.Parameter)}
+        gc.freeze()
         policy = {id(p): p for p in model.parameters()}
         record = {
             "alive": sum(p.numel() for p in alive.values()),
