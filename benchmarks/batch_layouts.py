@@ -1,5 +1,6 @@
 """One training step of a ~8M Llama in one process, by batch layout: padded, padded with gradient
-checkpointing (LLaMA-Factory's default), padding-free in rows (ours), padding-free in one row.
+checkpointing (LLaMA-Factory's default), padding-free in rows (eager's), padding-free in one row
+with transformers' block-diagonal mask, and in one row attended per example (ours on sdpa).
 
     .venv/bin/python benchmarks/batch_layouts.py [--threads 2] [--steps 10]
 
@@ -71,6 +72,7 @@ def time_steps(model, optimizer, collator, batches) -> tuple[float, float]:
 
 def main() -> int:
     from stages.collators import PaddingCollator, PaddingFreeCollator
+    from stages.example_attention import PER_EXAMPLE_SDPA, use_attention
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--threads", type=int, default=2)
@@ -78,11 +80,13 @@ def main() -> int:
     args = parser.parse_args()
     model, optimizer = bench_model(args.threads)
     batches = random_batches(model.config.vocab_size, args.steps)
+    one_row_per_example = PaddingFreeCollator(pad_token_id=0, one_row=True, attention=PER_EXAMPLE_SDPA)
     layouts = [
         ("padded", PaddingCollator(pad_token_id=0), False),
         ("padded + gradient checkpointing", PaddingCollator(pad_token_id=0), True),
         ("padding-free, rows as wide as the longest example", PaddingFreeCollator(pad_token_id=0), False),
         ("padding-free, one row", PaddingFreeCollator(pad_token_id=0, one_row=True), False),
+        ("padding-free, one row attended per example (ours)", one_row_per_example, False),
     ]
     print(machine_line())
     print(f"{sum(p.numel() for p in model.parameters()) / 1e6:.1f}M parameters, {args.threads} threads")
@@ -92,6 +96,7 @@ def main() -> int:
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         else:
             model.gradient_checkpointing_disable()
+        use_attention(model, getattr(collator, "attention", None) or "sdpa")
         tokens, ms = time_steps(model, optimizer, collator, batches)
         print(f"| {name} | {tokens:.0f} | {ms:.0f} |")
     return 0

@@ -22,6 +22,8 @@ import torch
 
 from registries.tokenize import IGNORE_INDEX
 
+from .example_attention import PER_EXAMPLE_SDPA, supports_per_example_sdpa
+
 
 def to_columns(features) -> dict[str, list[Any]]:
     """Rows or columns in, columns out."""
@@ -175,15 +177,18 @@ class PaddingFreeCollator(PaddingCollator):
     label is never predicted either, so the set of trained tokens is the same.
 
     Examples go first-fit into rows of at most ``row_width`` tokens (None: the batch's longest
-    example, the padded batch's width). sdpa and eager attention over a row cost its length
-    squared, so rows that wide never cost more than padding while dropping most pads (an 8.4M
-    Llama on 2 CPU cores, benchmarks/batch_layouts.py: 450 ms a step padded, 350 ms in rows, 429 ms
-    in one row).
-    Flash kernels run each example on its own: ``one_row`` lays the whole batch in a single row.
+    example, the padded batch's width). Attention over a row with a block-diagonal mask (eager, and
+    sdpa as transformers runs it) costs its length squared, so rows that wide never cost more than
+    padding while dropping most pads (an 8.4M Llama on 2 CPU cores, benchmarks/batch_layouts.py:
+    450 ms a step padded, 350 ms in rows, 429 ms in one row).
+    Where attention runs each example on its own (flash kernels, or sdpa per example:
+    stages/example_attention.py), ``one_row`` lays the whole batch in a single row, with no pads.
     """
 
     row_width: int | None = None
     one_row: bool = False
+    # The attention implementation these rows need, if not the model's own (StageJob.build_trainer sets it).
+    attention: str | None = None
     needs_no_cache = True  # the trainer must run with use_cache off (StageJob.build_trainer)
 
     def __post_init__(self) -> None:
@@ -270,7 +275,8 @@ def supervised_collator(tokenizer, data_args, model=None, pad_to_multiple_of: in
 def causal_lm_collator(tokenizer, data_args, model, pad_to_multiple_of: int | None, packed: bool):
     """pt/sft batches: padding-free when ``padding_free`` allows it (null: whenever the model
     supports it and rows are not packed already: packed rows are full, and one row of them all
-    would only make attention dearer), else padded on the right."""
+    would only make attention dearer), else padded on the right. On sdpa a padding-free batch is
+    one row that attention takes one example at a time (stages/example_attention.py)."""
     wanted = getattr(data_args, "padding_free", None)
     supported = model is not None and supports_padding_free(model)
     if wanted and not supported:
@@ -281,6 +287,8 @@ def causal_lm_collator(tokenizer, data_args, model, pad_to_multiple_of: int | No
             "in a model built on transformers' masking_utils). Set padding_free: false (or remove it)."
         )
     if wanted or (wanted is None and supported and not packed):
+        if supports_per_example_sdpa(model):
+            return PaddingFreeCollator.from_tokenizer(tokenizer, "right", one_row=True, attention=PER_EXAMPLE_SDPA)
         attn = str(getattr(getattr(model, "config", None), "_attn_implementation", "") or "")
         return PaddingFreeCollator.from_tokenizer(tokenizer, "right", one_row=attn.startswith("flash"))
     return PaddingCollator.from_tokenizer(tokenizer, "right", pad_to_multiple_of=pad_to_multiple_of)

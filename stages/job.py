@@ -147,6 +147,10 @@ class StageJob:
             # A KV cache (use_cache: true) makes transformers skip the per-example masks that
             # padding-free rows rely on; training never reads the cache anyway.
             self.training_args.use_cache = False
+        if getattr(collator, "attention", None):
+            from .example_attention import use_attention
+
+            use_attention(model, collator.attention)  # e.g. sdpa one example at a time, for one-row batches
         trainer = trainer_class(
             model=model,
             args=self.training_args,

@@ -1,13 +1,18 @@
-"""Padding-free pt/sft batches: the layout, the gradient (equal to the padded batch's) and when
-each stage gets them."""
+"""Padding-free pt/sft batches: the layout, the gradient (equal to the padded batch's), when each
+stage gets them, and sdpa attending one row per example (stages/example_attention.py)."""
 
 import pytest
 import torch
 from tokenizers import Tokenizer, models, pre_tokenizers
-from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
+from transformers import (Gemma2Config, Gemma2ForCausalLM, Gemma3ForCausalLM, Gemma3TextConfig, LlamaConfig,
+                          LlamaForCausalLM, MistralConfig, MistralForCausalLM, PreTrainedTokenizerFast, Qwen2Config,
+                          Qwen2ForCausalLM)
 
 from registries.datasets.args import DataArguments
+from stages import example_attention
 from stages.collators import PaddingCollator, PaddingFreeCollator, supports_padding_free
+from stages.example_attention import (PER_EXAMPLE_SDPA, ExamplePlan, per_example_sdpa, supports_per_example_sdpa,
+                                      use_attention)
 from stages.table import STAGES
 
 M = -100
@@ -52,6 +57,11 @@ def tiny_model(family: str, attn: str):
                  use_cache=False)  # as the Trainer sets it: a cache turns off transformers' packed-row masks
     if family == "qwen2":
         return Qwen2ForCausalLM(Qwen2Config(**shape))
+    if family == "mistral":  # a window shorter than some examples: the per-example path masks those
+        return MistralForCausalLM(MistralConfig(sliding_window=5, **shape))
+    if family == "gemma3":  # sliding and full layers, its own scaling
+        return Gemma3ForCausalLM(Gemma3TextConfig(sliding_window=6, layer_types=["sliding_attention", "full_attention"],
+                                                  head_dim=8, **shape))
     return LlamaForCausalLM(LlamaConfig(**shape))
 
 
@@ -62,11 +72,23 @@ def loss_and_grads(model, batch):
     return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
 
 
+def per_example(short: int) -> dict:
+    """One row attended per example; examples under ``short`` tokens share one padded call."""
+    return {"one_row": True, "attention": PER_EXAMPLE_SDPA, "short": short}
+
+
 @pytest.mark.parametrize("family,attn,layout", [
     ("llama", "sdpa", {}), ("llama", "eager", {}), ("qwen2", "sdpa", {}), ("llama", "sdpa", {"row_width": 20}),
     ("llama", "sdpa", {"one_row": True}),
+    # examples of 17, 9, 4, 12 and 6 tokens: all in one padded call, each alone, or both kinds
+    ("llama", "sdpa", per_example(64)), ("llama", "sdpa", per_example(0)), ("llama", "sdpa", per_example(8)),
+    ("qwen2", "sdpa", per_example(8)), ("mistral", "sdpa", per_example(8)), ("mistral", "sdpa", per_example(64)),
+    ("gemma3", "sdpa", per_example(8)),
 ])
-def test_padding_free_gradient_equals_the_padded_batch(family, attn, layout):
+def test_padding_free_gradient_equals_the_padded_batch(family, attn, layout, monkeypatch):
+    layout = dict(layout)
+    if "short" in layout:
+        monkeypatch.setattr(example_attention, "SHORT_EXAMPLE", layout.pop("short"))
     generator = torch.Generator().manual_seed(1)
     features = []
     for length, prompt in [(17, 5), (9, 3), (4, 2), (12, 0), (6, 6)]:  # a prompt-only row trains on nothing
@@ -75,6 +97,8 @@ def test_padding_free_gradient_equals_the_padded_batch(family, attn, layout):
     model = tiny_model(family, attn)
     padded_loss, padded = loss_and_grads(model, PaddingCollator(pad_token_id=0)(features))
     free_batch = PaddingFreeCollator(pad_token_id=0, **layout)(features)
+    if layout.get("attention"):
+        use_attention(model, layout["attention"])
     assert free_batch["input_ids"].numel() < 5 * 17  # fewer tokens than the padded batch
     free_loss, free = loss_and_grads(model, free_batch)
     torch.testing.assert_close(free_loss, padded_loss, atol=1e-6, rtol=0)
@@ -135,3 +159,88 @@ def test_padding_free_must_be_true_false_or_null():
 
     with pytest.raises(DataConfigError, match=r"padding_free is 'yes please'; expected true or false"):
         DataArguments(padding_free="yes please")
+
+
+# ---------------------------------------------------------------- sdpa one example at a time
+
+
+def test_sdpa_models_get_one_row_attended_per_example_and_the_rest_keep_their_attention():
+    per_example = collator("sft", tiny_model("llama", "sdpa"))
+    assert (per_example.one_row, per_example.attention) == (True, PER_EXAMPLE_SDPA)
+    eager = collator("sft", tiny_model("llama", "eager"))
+    assert (eager.one_row, eager.attention) == (False, None)  # rows as wide as the longest example
+    softcapped = Gemma2ForCausalLM(Gemma2Config(vocab_size=64, hidden_size=32, intermediate_size=64,
+                                                num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                                                head_dim=8, attn_implementation="sdpa"))
+    assert supports_padding_free(softcapped) and not supports_per_example_sdpa(softcapped)  # sdpa cannot softcap
+    assert collator("sft", softcapped).attention is None
+
+
+def test_per_example_attention_refuses_what_is_not_a_padding_free_training_row():
+    model = tiny_model("llama", "sdpa")
+    q = torch.zeros(2, 4, 5, 8)
+    with pytest.raises(RuntimeError, match=r"got a batch of 2, 5 queries over 5 keys, position ids given, mask none"):
+        per_example_sdpa(model.model.layers[0].self_attn, q, q, q, None,
+                         position_ids=torch.zeros(2, 5, dtype=torch.long))
+    with pytest.raises(RuntimeError, match=r"position ids missing"):
+        per_example_sdpa(model.model.layers[0].self_attn, q[:1], q[:1], q[:1], None)
+
+
+def test_a_stage_job_trains_one_row_batches_per_example_and_saves_a_plain_sdpa_config(tmp_path):
+    import datasets
+
+    from stages.args import FinetuningArguments, ModelArguments, TrainingOptions
+    from stages.causal_lm import CausalLMTrainer
+    from stages.job import JobSpec, StageJob
+
+    model, tok = tiny_model("llama", "sdpa"), tokenizer()
+    spec = JobSpec(model=ModelArguments(model_name_or_path=str(tmp_path)), data=DataArguments(dataset="x"),
+                   finetuning=FinetuningArguments(stage="sft", finetuning_type="full"),
+                   training=TrainingOptions({"output_dir": str(tmp_path / "out"), "per_device_train_batch_size": 3,
+                                             "max_steps": 2, "report_to": "none", "learning_rate": 1e-3}))
+    generator = torch.Generator().manual_seed(2)
+    lengths = [7, 3, 11, 5, 9, 4]
+    data = datasets.Dataset.from_list([{"input_ids": (ids := torch.randint(2, 64, (n,), generator=generator).tolist()),
+                                        "attention_mask": [1] * n, "labels": ids} for n in lengths])
+    job = StageJob(spec=spec, training_args=spec.training_arguments(use_cpu=True), train_dataset=data)
+    calls = []
+    trainer = job.build_trainer(CausalLMTrainer, model, tok)
+    assert model.config._attn_implementation == PER_EXAMPLE_SDPA
+    assert trainer.data_collator.one_row and trainer.args.use_cache is False
+    from transformers import AttentionInterface
+
+    seen = AttentionInterface()[PER_EXAMPLE_SDPA]
+    AttentionInterface.register(PER_EXAMPLE_SDPA, lambda *a, **k: calls.append(a[1].shape) or seen(*a, **k))
+    try:
+        trainer.train()
+    finally:
+        AttentionInterface.register(PER_EXAMPLE_SDPA, seen)
+    # 2 steps x 2 layers (autograd runs the backward), each over one row: a whole batch of 3, with
+    # the two batches together holding all 6 examples once (every token, no pad)
+    assert len(calls) == 4 and {shape[0] for shape in calls} == {1}
+    assert sum(shape[2] for shape in calls) == 2 * sum(lengths)
+    model.save_pretrained(tmp_path / "saved")
+    assert PER_EXAMPLE_SDPA not in (tmp_path / "saved" / "config.json").read_text()
+
+
+def test_the_plan_gathers_short_examples_into_padded_slots_and_puts_every_token_back_in_row_order(monkeypatch):
+    monkeypatch.setattr(example_attention, "SHORT_EXAMPLE", 4)
+    # a long example (7 tokens), then two short ones (2 and 3): the short ones go first in the call order
+    plan = ExamplePlan.build([0, 7, 9, 12], "cpu")
+    assert plan.long_spans == [(0, 7)] and plan.short_shape == (2, 3)
+    assert plan.short_tokens.tolist() == [7, 8, 9, 10, 11] and plan.short_slots.tolist() == [0, 1, 3, 4, 5]
+    assert plan.row_order.tolist() == [5, 6, 7, 8, 9, 10, 11, 0, 1, 2, 3, 4]
+    in_order = ExamplePlan.build([0, 2, 5, 12], "cpu")
+    assert in_order.row_order is None and in_order.long_spans == [(5, 12)]  # short ones first already
+    lone = ExamplePlan.build([0, 2, 12], "cpu")
+    assert lone.short_slots is None and lone.long_spans == [(0, 2), (2, 12)]  # one short example: no padded call
+
+
+def test_a_plan_is_made_once_per_forward_and_anew_for_other_position_ids(monkeypatch):
+    monkeypatch.setattr(example_attention, "SHORT_EXAMPLE", 0)  # every example alone: the spans show the plan
+    first = torch.tensor([[0, 1, 2, 0, 1]])
+    plan = ExamplePlan.of(first)
+    assert ExamplePlan.of(first) is plan  # the next layer of the same forward
+    assert ExamplePlan.of(torch.tensor([[0, 1, 2, 0, 1]])) is not plan  # the next batch
+    first[0, 2] = 0  # changed in place: its version moves on
+    assert plan.long_spans == [(0, 3), (3, 5)] and ExamplePlan.of(first).long_spans == [(0, 2), (2, 3), (3, 5)]
