@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import weakref
 from dataclasses import dataclass
-from functools import partial
+from functools import lru_cache, partial
 
 import torch
 import torch.nn.functional as F
@@ -79,8 +79,14 @@ def _causal_sdpa(q, k, v, window, dropout, scaling, gqa):
     """Causal sdpa over (examples, tokens, heads, head_dim) tensors, in the same layout out."""
     length = q.shape[1]
     mask = None if window is None or length <= window else sliding_causal_mask(length, window, q.device)
+    if gqa and mask is not None:
+        # sdpa's fused CUDA kernels take grouped keys only without a mask (transformers' use_gqa_in_sdpa):
+        # with one, the keys and values are repeated per query head, as transformers does.
+        groups = q.shape[2] // k.shape[2]
+        k, v = k.repeat_interleave(groups, dim=2), v.repeat_interleave(groups, dim=2)
     out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask,
-                                         dropout_p=dropout, is_causal=mask is None, scale=scaling, enable_gqa=gqa)
+                                         dropout_p=dropout, is_causal=mask is None, scale=scaling,
+                                         enable_gqa=gqa and mask is None)
     return out.transpose(1, 2)
 
 
@@ -102,6 +108,8 @@ class ExamplePlan:
         """The plan for a (1, tokens) row; every layer of one forward gets the same position ids
         object, so the plan is made once for them all."""
         global _last_plan
+        if position_ids.is_inference():  # no version counter to tell a change by: planned each time
+            return cls.build(example_bounds(position_ids[0]), position_ids.device)
         key = (position_ids._version, position_ids.shape)
         if _last_plan is not None and _last_plan[0]() is position_ids and _last_plan[1] == key:
             return _last_plan[2]
@@ -134,21 +142,27 @@ _last_plan: tuple | None = None  # (weak reference to the position ids, their ve
 
 
 def example_bounds(position_ids: torch.Tensor) -> list[int]:
-    """Where each example starts in a row (its position id is 0), and the row's end."""
-    starts = torch.nonzero(position_ids == 0).flatten().tolist()
-    if not starts or starts[0] != 0:
-        starts.insert(0, 0)  # a row that does not open at position 0 is one example from where it opens
-    return starts + [position_ids.shape[0]]
+    """Where each example starts in a row, and the row's end. An example starts wherever the
+    position ids do not go up by one, as transformers' find_packed_sequence_indices reads them."""
+    restarts = torch.nonzero(position_ids[1:] - position_ids[:-1] != 1).flatten() + 1
+    return [0, *restarts.tolist(), position_ids.shape[0]]
 
 
+@lru_cache(maxsize=8)  # the same few lengths in every layer of a forward
 def sliding_causal_mask(length: int, window: int, device) -> torch.Tensor:
     """Query i sees keys i - window + 1 .. i (transformers' sliding_window_overlay on a causal mask)."""
     full = torch.ones(length, length, dtype=torch.bool, device=device)
     return full.tril() & full.triu(-(window - 1))
 
 
-def no_mask(*args, **kwargs):
-    """The mask function for PER_EXAMPLE_SDPA: none; the position ids say where examples start."""
+def no_mask(*args, attention_mask=None, **kwargs):
+    """The mask function for PER_EXAMPLE_SDPA: none, the position ids say where examples start.
+    A padding mask has no place in a padding-free row: refused, not dropped."""
+    if attention_mask is not None and not bool(attention_mask.all()):
+        raise RuntimeError(
+            f"{PER_EXAMPLE_SDPA} attends padding-free training rows, which have no pads; this batch has a "
+            "padding mask. Set the model back to sdpa (model.config._attn_implementation = 'sdpa') for padded batches."
+        )
     return None
 
 

@@ -5,8 +5,8 @@ import pytest
 import torch
 from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import (Gemma2Config, Gemma2ForCausalLM, Gemma3ForCausalLM, Gemma3TextConfig, LlamaConfig,
-                          LlamaForCausalLM, MistralConfig, MistralForCausalLM, PreTrainedTokenizerFast, Qwen2Config,
-                          Qwen2ForCausalLM)
+                          LlamaForCausalLM, MistralConfig, MistralForCausalLM, Phi3Config, Phi3ForCausalLM,
+                          PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM)
 
 from registries.datasets.args import DataArguments
 from stages import example_attention
@@ -62,6 +62,10 @@ def tiny_model(family: str, attn: str):
     if family == "gemma3":  # sliding and full layers, its own scaling
         return Gemma3ForCausalLM(Gemma3TextConfig(sliding_window=6, layer_types=["sliding_attention", "full_attention"],
                                                   head_dim=8, **shape))
+    if family == "qwen3":  # q/k norms; a real sliding layer
+        return Qwen3ForCausalLM(Qwen3Config(use_sliding_window=True, sliding_window=7, max_window_layers=1, **shape))
+    if family == "phi3":  # fused qkv projection
+        return Phi3ForCausalLM(Phi3Config(pad_token_id=0, **shape))
     return LlamaForCausalLM(LlamaConfig(**shape))
 
 
@@ -83,23 +87,28 @@ def per_example(short: int) -> dict:
     # examples of 17, 9, 4, 12 and 6 tokens: all in one padded call, each alone, or both kinds
     ("llama", "sdpa", per_example(64)), ("llama", "sdpa", per_example(0)), ("llama", "sdpa", per_example(8)),
     ("qwen2", "sdpa", per_example(8)), ("mistral", "sdpa", per_example(8)), ("mistral", "sdpa", per_example(64)),
-    ("gemma3", "sdpa", per_example(8)),
+    ("gemma3", "sdpa", per_example(8)), ("qwen3", "sdpa", per_example(8)), ("phi3", "sdpa", per_example(8)),
+    ("llama", "sdpa", {**per_example(8), "checkpointing": True}),  # attention again in the backward
 ])
 def test_padding_free_gradient_equals_the_padded_batch(family, attn, layout, monkeypatch):
     layout = dict(layout)
     if "short" in layout:
         monkeypatch.setattr(example_attention, "SHORT_EXAMPLE", layout.pop("short"))
+    checkpointing = layout.pop("checkpointing", False)
     generator = torch.Generator().manual_seed(1)
     features = []
-    for length, prompt in [(17, 5), (9, 3), (4, 2), (12, 0), (6, 6)]:  # a prompt-only row trains on nothing
+    # a prompt-only example trains on nothing; a one-token one has nothing to predict
+    for length, prompt in [(17, 5), (9, 3), (4, 2), (1, 0), (12, 0), (6, 6)]:
         ids = torch.randint(1, 64, (length,), generator=generator).tolist()
         features.append({"input_ids": ids, "attention_mask": [1] * length, "labels": [M] * prompt + ids[prompt:]})
     model = tiny_model(family, attn)
+    if checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     padded_loss, padded = loss_and_grads(model, PaddingCollator(pad_token_id=0)(features))
     free_batch = PaddingFreeCollator(pad_token_id=0, **layout)(features)
     if layout.get("attention"):
         use_attention(model, layout["attention"])
-    assert free_batch["input_ids"].numel() < 5 * 17  # fewer tokens than the padded batch
+    assert free_batch["input_ids"].numel() < 6 * 17  # fewer tokens than the padded batch
     free_loss, free = loss_and_grads(model, free_batch)
     torch.testing.assert_close(free_loss, padded_loss, atol=1e-6, rtol=0)
     for name in padded:
@@ -184,6 +193,19 @@ def test_per_example_attention_refuses_what_is_not_a_padding_free_training_row()
                          position_ids=torch.zeros(2, 5, dtype=torch.long))
     with pytest.raises(RuntimeError, match=r"position ids missing"):
         per_example_sdpa(model.model.layers[0].self_attn, q[:1], q[:1], q[:1], None)
+
+
+def test_per_example_attention_refuses_a_padding_mask_and_runs_under_inference_mode():
+    model = tiny_model("llama", "sdpa")
+    model.eval()
+    ids = torch.tensor([[5, 6, 7, 8, 9, 10]])
+    plain = model(input_ids=ids[:, :4]).logits  # the first example alone
+    use_attention(model, PER_EXAMPLE_SDPA)
+    with pytest.raises(RuntimeError, match=r"this batch has a padding mask"):
+        model(input_ids=ids, attention_mask=torch.tensor([[0, 1, 1, 1, 1, 1]]))
+    with torch.inference_mode():  # inference tensors have no version counter for the plan's cache
+        row = model(input_ids=ids, position_ids=torch.tensor([[0, 1, 2, 3, 0, 1]])).logits
+    torch.testing.assert_close(row[:, :4], plain, atol=1e-6, rtol=0)
 
 
 def test_a_stage_job_trains_one_row_batches_per_example_and_saves_a_plain_sdpa_config(tmp_path):
