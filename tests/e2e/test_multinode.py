@@ -3,7 +3,7 @@ object stores, one machine): a head that runs the driver, Ray Data and the Train
 three worker nodes with one ``train_slot`` each, so the two Ray Train workers land on two different
 nodes and the third is a spare.
 
-1. An sft run spreads its Train workers over two nodes and its Ray Data tasks over several; rank 0
+1. An sft run spreads its Train workers over two nodes and tokenizes in Ray Data tasks; rank 0
    (on a worker node, not the driver's) writes output_dir, and Ray Train copies every checkpoint
    into ``ray_storage_path``, a local folder all nodes share here (NFS or s3:// on a real cluster).
 2. The same run, but at step KILL_STEP the node holding rank 0 is removed from the cluster (its
@@ -170,8 +170,13 @@ def test_workers_and_data_tasks_spread_over_nodes(cluster, uninterrupted):
 
     tasks = list_tasks(address=head.dashboard_url, filters=[("type", "=", "NORMAL_TASK")], detail=True, limit=10000,
                        raise_on_missing_output=False)
-    data_nodes = {t.node_id for t in tasks if "MapBatches" in (t.name or "") and t.node_id}
-    assert len(data_nodes) >= 2, sorted((t.name, t.node_id) for t in tasks)
+    # Tokenized in the cluster's tasks, not in the driver. Which nodes they land on is Ray's
+    # scheduling: with one block per step, all on one node in about a third of the runs here.
+    data_tasks = [t for t in tasks if "MapBatches" in (t.name or "")]
+    names = " ".join(t.name for t in data_tasks)
+    assert "_align_block" in names and "_tokenize_block" in names, names
+    cluster_nodes = {head.head_node.node_id} | {node.node_id for node in workers}
+    assert {t.node_id for t in data_tasks} <= cluster_nodes, sorted((t.name, t.node_id) for t in tasks)
 
 
 def test_losing_the_node_of_rank_0_restarts_on_the_spare_node(cluster, uninterrupted, tmp_path):
