@@ -22,6 +22,7 @@ import torch
 
 from registries.tokenize import IGNORE_INDEX
 
+from .chunked_loss import language_model
 from .example_attention import PER_EXAMPLE_SDPA, supports_per_example_sdpa
 
 
@@ -241,7 +242,7 @@ def supports_padding_free(model) -> bool:
     transformers' masking_utils (create_causal_mask), which detects the restarts."""
     import sys
 
-    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    base = language_model(model)
     attn = str(getattr(getattr(base, "config", None), "_attn_implementation", "") or "")
     if attn.startswith("flash"):
         return True
@@ -287,7 +288,7 @@ def causal_lm_collator(tokenizer, data_args, model, pad_to_multiple_of: int | No
             "in a model built on transformers' masking_utils). Set padding_free: false (or remove it)."
         )
     if wanted or (wanted is None and supported and not packed):
-        if supports_per_example_sdpa(model):
+        if supported and supports_per_example_sdpa(model):
             return PaddingFreeCollator.from_tokenizer(tokenizer, "right", one_row=True, attention=PER_EXAMPLE_SDPA)
         attn = str(getattr(getattr(model, "config", None), "_attn_implementation", "") or "")
         return PaddingFreeCollator.from_tokenizer(tokenizer, "right", one_row=attn.startswith("flash"))

@@ -34,6 +34,8 @@ from functools import lru_cache, partial
 import torch
 import torch.nn.functional as F
 
+from .chunked_loss import language_model
+
 PER_EXAMPLE_SDPA = "sdpa_per_example"
 SHORT_EXAMPLE = 64  # tokens; shorter examples share one padded call (measured: 64 and 128 alike, 0 and all slower)
 
@@ -108,13 +110,13 @@ class ExamplePlan:
         """The plan for a (1, tokens) row; every layer of one forward gets the same position ids
         object, so the plan is made once for them all."""
         global _last_plan
-        if position_ids.is_inference():  # no version counter to tell a change by: planned each time
-            return cls.build(example_bounds(position_ids[0]), position_ids.device)
-        key = (position_ids._version, position_ids.shape)
-        if _last_plan is not None and _last_plan[0]() is position_ids and _last_plan[1] == key:
+        # Inference tensors have no version counter to tell a change by: planned each time.
+        key = None if position_ids.is_inference() else (position_ids._version, position_ids.shape)
+        if key is not None and _last_plan is not None and _last_plan[0]() is position_ids and _last_plan[1] == key:
             return _last_plan[2]
         plan = cls.build(example_bounds(position_ids[0]), position_ids.device)
-        _last_plan = (weakref.ref(position_ids), key, plan)
+        if key is not None:
+            _last_plan = (weakref.ref(position_ids), key, plan)
         return plan
 
     @classmethod
@@ -128,11 +130,8 @@ class ExamplePlan:
         tokens = [t for start, end in short for t in range(start, end)]
         slots = [j * longest + t for j, (start, end) in enumerate(short) for t in range(end - start)]
         order = tokens + [t for start, end in long_spans for t in range(start, end)]
-        row_order = None
-        if order != list(range(len(order))):
-            row_order = torch.empty(len(order), dtype=torch.long)
-            row_order[torch.tensor(order)] = torch.arange(len(order))
-            row_order = row_order.to(device)
+        in_order = order == list(range(len(order)))
+        row_order = None if in_order else torch.argsort(torch.tensor(order)).to(device)  # the inverse permutation
         return cls(long_spans=long_spans, short_tokens=torch.tensor(tokens, device=device),
                    short_slots=torch.tensor(slots, device=device), short_shape=(len(short), longest),
                    row_order=row_order)
@@ -176,13 +175,11 @@ def register() -> None:
 
 
 def supports_per_example_sdpa(model) -> bool:
-    """Whether ``model`` runs on sdpa and its attention is plain causal sdpa per example: no score
-    softcapping, no bidirectional attention, its masks from masking_utils (which is where the
-    position ids reach attention). Sliding windows are applied per example."""
-    from .collators import supports_padding_free
-
-    config = getattr(_base(model), "config", None)
-    return (getattr(config, "_attn_implementation", None) == "sdpa" and supports_padding_free(model)
+    """Whether a model that takes padding-free rows (collators.supports_padding_free: its position
+    ids reach attention) runs on sdpa with attention that is plain causal sdpa per example: no
+    score softcapping, no bidirectional attention. Sliding windows are applied per example."""
+    config = getattr(language_model(model), "config", None)
+    return (getattr(config, "_attn_implementation", None) == "sdpa"
             and getattr(config, "attn_logit_softcapping", None) is None
             and not getattr(config, "use_bidirectional_attention", False))
 
@@ -191,8 +188,4 @@ def use_attention(model, implementation: str) -> None:
     """Set the attention ``model`` runs from its next forward on; the saved config does not keep it."""
     if implementation == PER_EXAMPLE_SDPA:
         register()
-    _base(model).config._attn_implementation = implementation
-
-
-def _base(model):
-    return model.get_base_model() if hasattr(model, "get_base_model") else model
+    language_model(model).config._attn_implementation = implementation
