@@ -23,7 +23,7 @@ import torch
 from registries.tokenize import IGNORE_INDEX
 
 from .chunked_loss import language_model
-from .example_attention import PER_EXAMPLE_SDPA, supports_per_example_sdpa
+from .example_attention import PER_EXAMPLE_SDPA, attention_implementation, supports_per_example_sdpa
 
 
 def to_columns(features) -> dict[str, list[Any]]:
@@ -243,7 +243,7 @@ def supports_padding_free(model) -> bool:
     import sys
 
     base = language_model(model)
-    attn = str(getattr(getattr(base, "config", None), "_attn_implementation", "") or "")
+    attn = attention_implementation(model)
     if attn.startswith("flash"):
         return True
     module = sys.modules.get(type(base).__module__)
@@ -264,7 +264,7 @@ def supervised_collator(tokenizer, data_args, model=None, pad_to_multiple_of: in
     """sft pads on the right; with ``neat_packing`` it isolates packed examples, with a mask in the
     model's dtype (flash-attention kernels take restarting positions instead of a mask)."""
     if getattr(data_args, "neat_packing", False):
-        attn = str(getattr(getattr(model, "config", None), "_attn_implementation", "") or "")
+        attn = attention_implementation(model)
         dtype = getattr(model, "dtype", torch.float32)
         return NeatPackingCollator.from_tokenizer(
             tokenizer, "right", dtype=dtype, four_d_mask=not attn.startswith("flash"),
@@ -281,7 +281,7 @@ def causal_lm_collator(tokenizer, data_args, model, pad_to_multiple_of: int | No
     wanted = getattr(data_args, "padding_free", None)
     supported = model is not None and supports_padding_free(model)
     if wanted and not supported:
-        attn = getattr(getattr(model, "config", None), "_attn_implementation", None)
+        attn = attention_implementation(model) or None
         raise ValueError(
             f"padding_free is true, but this model ({type(model).__name__}, attention {attn!r}) does not keep "
             "examples apart when they share a row without a mask (that needs flash attention, or sdpa/eager "
@@ -290,8 +290,8 @@ def causal_lm_collator(tokenizer, data_args, model, pad_to_multiple_of: int | No
     if wanted or (wanted is None and supported and not packed):
         if supported and supports_per_example_sdpa(model):
             return PaddingFreeCollator.from_tokenizer(tokenizer, "right", one_row=True, attention=PER_EXAMPLE_SDPA)
-        attn = str(getattr(getattr(model, "config", None), "_attn_implementation", "") or "")
-        return PaddingFreeCollator.from_tokenizer(tokenizer, "right", one_row=attn.startswith("flash"))
+        one_row = attention_implementation(model).startswith("flash")
+        return PaddingFreeCollator.from_tokenizer(tokenizer, "right", one_row=one_row)
     return PaddingCollator.from_tokenizer(tokenizer, "right", pad_to_multiple_of=pad_to_multiple_of)
 
 

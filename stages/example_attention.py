@@ -174,12 +174,19 @@ def register() -> None:
     AttentionMaskInterface.register(PER_EXAMPLE_SDPA, no_mask)
 
 
+def attention_implementation(model) -> str:
+    """The attention a model (or a PeftModel's base model) runs: "sdpa", "eager", "flash_attention_2"...;
+    "" when it has no config saying so."""
+    config = getattr(language_model(model), "config", None)
+    return str(getattr(config, "_attn_implementation", "") or "")
+
+
 def supports_per_example_sdpa(model) -> bool:
     """Whether a model that takes padding-free rows (collators.supports_padding_free: its position
     ids reach attention) runs on sdpa with attention that is plain causal sdpa per example: no
     score softcapping, no bidirectional attention. Sliding windows are applied per example."""
     config = getattr(language_model(model), "config", None)
-    return (getattr(config, "_attn_implementation", None) == "sdpa"
+    return (attention_implementation(model) == "sdpa"
             and getattr(config, "attn_logit_softcapping", None) is None
             and not getattr(config, "use_bidirectional_attention", False))
 
