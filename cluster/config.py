@@ -359,6 +359,14 @@ def _check_and_resolve(run: RunConfig, where: typing.Callable[[str], str], purpo
             "Set val_size (a fraction of the training data) or eval_dataset, or set eval_strategy: no."
         )
     read_deepspeed_config(training, model, tuning, where)
+    if run.ray.train_in_driver:
+        needs = run.ray.worker_group_reasons(streaming=data.streaming, deepspeed=bool(training.get("deepspeed")), rl=is_rl)
+        if needs:
+            raise ConfigError(
+                f"train_in_driver is true in {where('train_in_driver')}, but this run needs a Ray Train worker "
+                f"group: {'; '.join(needs)}. Remove train_in_driver (the default trains in the driver wherever it "
+                "can) or set it to false."
+            )
     resume = training.get("resume_from_checkpoint")
     # "auto" (the latest complete checkpoint in output_dir) stays as it is: it is resolved at launch,
     # since output_dir may only get its checkpoints after this config was read (a rerun of a died run).

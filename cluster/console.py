@@ -42,7 +42,8 @@ class Console:
         self._metrics: dict = {}  # the latest value of each metric rank 0 logged
         self._started = time.time() if started is None else started  # where the start-up line's clock starts
         self._marks: list[tuple[str, float]] = []  # start-up phases: (what finished, when)
-        self._notes_shown: set[str] = set()
+        self._notes_shown: set[str] = set()  # also our own log lines, which training in this process logs too
+        self._in_driver = False  # the plan's answer: training runs in this process (fabric/in_driver.py)
         self._undo: list = []  # what __enter__ changed, restored last change first
 
     # ------------------------------------------------------------------ what the user reads
@@ -53,8 +54,9 @@ class Console:
         else:
             print(line, file=stream, flush=True)
 
-    def plan(self, cfg) -> None:
-        """What is about to run; printed before Ray starts."""
+    def plan(self, cfg, in_driver: bool = False) -> None:
+        """What is about to run; printed before Ray starts. ``in_driver``: the training runs in this
+        process (fabric/in_driver.py)."""
         model, tuning, data, ray_args = cfg.model, cfg.finetuning, cfg.data, cfg.ray
         method = tuning.finetuning_type + (f" (rank {tuning.lora_rank})" if tuning.finetuning_type == "lora" else "")
         if model.quantization_bit:
@@ -68,8 +70,13 @@ class Console:
                  f"template {data.template or 'auto'}")
         self.say(f"  data      {datasets} (cutoff_len {data.cutoff_len})")
         each = ", ".join(f"{name} {amount:g}" for name, amount in ray_args.resources_per_worker.items())
-        self.say(f"  workers   {ray_args.ray_num_workers}, each {each}, on "
-                 + (f"the Ray cluster at {address}" if address else "a local Ray"))
+        self._in_driver = in_driver
+        if in_driver:
+            self.say("  workers   none: training runs in this process (a lone CPU worker; train_in_driver), "
+                     "data on a local Ray")
+        else:
+            self.say(f"  workers   {ray_args.ray_num_workers}, each {each}, on "
+                     + (f"the Ray cluster at {address}" if address else "a local Ray"))
         if tuning.spec.launch == "rl_controller":
             if cfg.rl.rollout_backend == "vllm":
                 engines = ", ".join(f"{name} {amount:g}" for name, amount in ray_args.rollout_resources.items())
@@ -132,7 +139,7 @@ class Console:
             return
         if record.get("event") == "begin":  # also after a restart of the worker group
             if not self._stepped:
-                self.mark("workers + model", record.get("time"))
+                self.mark("model" if self._in_driver else "workers + model", record.get("time"))
             self._close_bar()
             for note in record.get("notes", ()):  # rank 0's facts (the memory plan); a restart repeats them
                 if note not in self._notes_shown:
@@ -279,6 +286,7 @@ class _ConsoleHandler(logging.Handler):
 
     def emit(self, record: logging.LogRecord) -> None:
         try:
+            self.console._notes_shown.add(record.getMessage())  # a note that repeats it is not shown again
             self.console.say(self.format(record))
         except Exception:  # noqa: BLE001 (logging's contract: a handler never raises)
             self.handleError(record)

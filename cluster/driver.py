@@ -38,6 +38,7 @@ def run_exp(
     console = console or Console()
 
     from fabric.data_pipeline import check_data, prepare_datasets
+    from fabric.in_driver import trains_in_driver
     from fabric.launcher import launch_training
     from fabric.ray_session import connect
     from stages.loading import check_model_fits
@@ -61,7 +62,9 @@ def run_exp(
     check_output_dirs(cfg, train=do_train)
     if do_train:  # a prediction-only run leaves the model folder's own saved config alone
         cfg.write_yaml()  # the resolved config, so the run can be repeated exactly
-    console.plan(cfg)
+    rl = spec.stage.launch == "rl_controller"
+    in_driver = do_train and trains_in_driver(spec, cfg.ray)  # a lone local CPU worker: fabric/in_driver.py
+    console.plan(cfg, in_driver)
     console.mark("checks")
     # A streamed dataset is read by Ray tasks that hold a CPU each while they read their whole file;
     # a local Ray declares one more CPU so that tokenization runs beside the reading (without it
@@ -73,10 +76,9 @@ def run_exp(
         predicted = _predict(cfg, console, trained=False, template=configured_template)
         stats = {"eval_examples": predicted.rows, "predict_workers": predicted.workers}
         return RunResult(os.path.abspath(output_dir), predicted.metrics, None, stats)
-    rl = spec.stage.launch == "rl_controller"
     # Ray Train's workers start first and import and load while the data is tokenized (not for
     # a stream, which Ray Train needs up front, nor for RL, whose roles start from the data).
-    overlapped = not rl and not cfg.data.streaming
+    overlapped = not rl and not cfg.data.streaming and not in_driver
 
     def prepare_data():
         data = prepare_datasets(cfg.data, spec.stage, cfg.training.seed, tokenizer, template)
@@ -89,7 +91,8 @@ def run_exp(
         data = prepare_data()
         result = launch_rl(spec, cfg.ray, data.train, data.eval, tokenizer, template, progress=console.progress_sink())
     else:
-        result, data = launch_training(spec, cfg.ray, prepare_data, callbacks, progress=console.progress_sink())
+        result, data = launch_training(spec, cfg.ray, prepare_data, callbacks, progress=console.progress_sink(),
+                                       in_driver=in_driver)
     if result.error is not None:
         raise result.error
     checkpoint = result.checkpoint.path if result.checkpoint is not None else None

@@ -34,6 +34,12 @@ class RayArguments:
     # several workers use their CPU share each (resources_per_worker's CPU, Ray's own rule).
     # fabric/threads.py says why.
     ray_threads_per_worker: int | None = None
+    # Where a lone worker trains. None: in the driver process (Ray Train's local mode: no worker
+    # process to start, torch imported once) when worker_group_reasons() finds nothing that needs
+    # a worker group and the driver runs on a local Ray it started itself; false: always a Ray
+    # Train worker group; true: in the driver, refused where a worker group is needed.
+    # fabric/in_driver.py says why.
+    train_in_driver: bool | None = None
     # Logical CPUs for a local ray.init; None lets Ray count them. Declaring more than the
     # machine has lets a streaming Ray Data pipeline run next to CPU-holding train workers.
     ray_num_cpus: int | None = None
@@ -93,6 +99,23 @@ class RayArguments:
     def resolved_address(self) -> str | None:
         """The cluster to join, or None to start a local Ray. Read when called: the env may change."""
         return self.ray_address or os.environ.get("RAY_ADDRESS") or None
+
+    def worker_group_reasons(self, *, streaming: bool, deepspeed: bool, rl: bool) -> list[str]:
+        """What in this run needs a Ray Train worker group (empty: the driver may train)."""
+        address = self.resolved_address()
+        needs = [
+            (self.ray_num_workers != 1, f"ray_num_workers is {self.ray_num_workers}"),
+            (self.uses_gpu, "resources_per_worker asks for a GPU (Ray places GPU workers)"),
+            (streaming, "streaming is true (Ray Train's ingest splits the stream)"),
+            (deepspeed, "deepspeed is set (it joins a process group of workers)"),
+            (self.max_failures != 0, f"max_failures is {self.max_failures} (restarts are of a worker group)"),
+            (rl, "an RL stage runs its roles as actor groups"),
+            (address is not None, f"the run joins the Ray cluster at {address}"),
+            ("://" in (self.ray_storage_path or ""),
+             f"ray_storage_path is {self.ray_storage_path} (Ray Train copies checkpoints there)"),
+            (self.ray_run_name is not None, "ray_run_name names a run in Ray storage"),
+        ]
+        return [reason for needed, reason in needs if needed]
 
     @property
     def uses_gpu(self) -> bool:

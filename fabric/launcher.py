@@ -13,6 +13,7 @@ from ray.train.backend import BackendConfig
 from stages.job import JobSpec
 
 from .args import RayArguments
+from .in_driver import train_here
 from .mailbox import Mailbox
 from .lean_trainer import LeanTrainer
 from .progress import ProgressRelay
@@ -29,11 +30,16 @@ logger = logging.getLogger(__name__)
 def launch_training(
     spec: JobSpec, ray_args: RayArguments, prepare_data: Callable[[], "PreparedData"],
     callbacks: Iterable["TrainerCallback"] = (), progress: Callable[[dict], None] | None = None,
+    in_driver: bool = False,
 ) -> tuple["ray.train.Result", "PreparedData"]:
-    """Fit on ``ray_num_workers`` workers; the result carries the final metrics and checkpoint.
+    """Fit on ``ray_num_workers`` workers, or in this process (``in_driver``: fabric/in_driver.py
+    says when); the result carries the final metrics and checkpoint.
     ``prepare_data`` tokenizes (fabric/data_pipeline.py): called here while the workers start.
     ``progress``, if given, is called on the driver with each of rank 0's Trainer log records."""
     training = spec.training
+    run_name = ray_args.ray_run_name or default_run_name(training.output_dir)
+    if in_driver:
+        return train_here(spec, ray_args, prepare_data, callbacks, progress, run_name)
     relay = ProgressRelay(progress)
     streaming = spec.data.streaming
     if streaming:
@@ -70,7 +76,7 @@ def launch_training(
         datasets=datasets,
         dataset_config=DataConfig(datasets_to_split=list(datasets), execution_options=_ordered_ingest()),
         run_config=RunConfig(
-            name=ray_args.ray_run_name or default_run_name(training.output_dir),
+            name=run_name,
             storage_path=ray_args.ray_storage_path,
             failure_config=FailureConfig(max_failures=ray_args.max_failures),
             checkpoint_config=CheckpointConfig(num_to_keep=training.save_total_limit),

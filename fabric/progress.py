@@ -3,7 +3,8 @@
 Ray Train hands the driver nothing until the run ends (``ray.train.report`` goes to its
 controller, and only at checkpoints). So a small actor keeps the records: rank 0's callback
 sends each one without waiting for an answer, and a driver thread collects them twice a second
-for whatever shows progress there (the CLI's progress bar).
+for whatever shows progress there (the CLI's progress bar). A run that trains in the driver
+(fabric/in_driver.py) has its callback call the console directly instead.
 """
 
 from __future__ import annotations
@@ -29,8 +30,9 @@ class RelayCallback(TrainerCallback):
 
     SEND_INTERVAL_S = 0.5
 
-    def __init__(self, mailbox):
+    def __init__(self, mailbox, on_record=None):
         self.mailbox = mailbox
+        self.on_record = on_record  # in the driver: records go here at once, not through a mailbox
         self._stepped = False
         self._pending: list[dict] = []
         self._last_sent = 0.0
@@ -62,7 +64,14 @@ class RelayCallback(TrainerCallback):
             self._flush()
 
     def _flush(self) -> None:
-        if self._pending:
+        if self._pending and self.on_record is not None:
+            pending, self._pending, self._last_sent = self._pending, [], time.monotonic()
+            for record in pending:
+                try:
+                    self.on_record(record)
+                except Exception:  # noqa: BLE001 (showing progress must never stop a run)
+                    logger.debug("progress display failed", exc_info=True)
+        elif self._pending:
             # Fire and forget: calls from one caller run in order, and training never waits on the driver.
             self.mailbox.put.remote(*self._pending)
             self._pending, self._last_sent = [], time.monotonic()
@@ -70,13 +79,15 @@ class RelayCallback(TrainerCallback):
 
 class ProgressRelay:
     """``with ProgressRelay(on_record) as relay:`` around ``fit()``; ship ``relay.callbacks`` to the
-    workers. ``on_record=None`` relays nothing (no actor, no thread)."""
+    workers. ``on_record=None`` relays nothing (no actor, no thread); ``direct``: the callback runs
+    in this process (training in the driver) and calls ``on_record`` itself (no actor, no thread)."""
 
-    def __init__(self, on_record=None, interval_s: float = 0.5):
+    def __init__(self, on_record=None, interval_s: float = 0.5, direct: bool = False):
         self.on_record = on_record
         self.interval_s = interval_s
-        self.mailbox = Mailbox.remote() if on_record is not None else None  # the launcher hands data through it too
-        self.callbacks = [RelayCallback(self.mailbox)] if on_record is not None else []
+        relayed = on_record is not None and not direct
+        self.mailbox = Mailbox.remote() if relayed else None  # the launcher hands data through it too
+        self.callbacks = [] if on_record is None else [RelayCallback(self.mailbox, on_record if direct else None)]
         self._stop = threading.Event()
         self._thread = None
 

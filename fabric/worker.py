@@ -32,6 +32,7 @@ class WorkerPayload:
     callbacks: list["TrainerCallback"] = field(default_factory=list)
     torch_threads: Optional[int] = None  # ray_threads_per_worker; None: the rule in fabric/threads.py
     whole_node: bool = False  # a lone CPU worker with no stream beside it: it may use every core
+    in_driver: bool = False  # Ray Train's local mode: train_loop runs in the driver (fabric/in_driver.py)
 
 
 def train_loop(config: dict) -> None:
@@ -45,7 +46,9 @@ def train_loop(config: dict) -> None:
     from .streamed_shard import feed_streamed_shards
     from .threads import set_torch_threads
 
-    payload: WorkerPayload = ray.get(config["payload"])  # put in the object store by launch_training
+    payload: WorkerPayload = config["payload"]  # put in the object store by launch_training; in the driver, itself
+    if isinstance(payload, ray.ObjectRef):
+        payload = ray.get(payload)
     spec = payload.spec
     quiet_ray_data()
     set_torch_threads(payload.torch_threads, payload.whole_node)  # fabric/threads.py has the rule and why
@@ -68,14 +71,15 @@ def train_loop(config: dict) -> None:
         training_args=training_args,
         train_dataset=None,
         receive_data=receive_data,
-        callbacks=[_report_callback(), *payload.callbacks],
+        callbacks=[_report_callback(in_place=payload.in_driver), *payload.callbacks],
         resume_from_checkpoint=_resume_point(training_args.resume_from_checkpoint, training_args.output_dir),
         prepare_trainer=lambda trainer: feed_streamed_shards(prepare_trainer(trainer)),
-        memory_budget=_memory_budget(payload.use_cpu),
+        memory_budget=_memory_budget(payload.use_cpu, payload.in_driver),
         notes=_console_notes(payload.callbacks),
     )
     metrics = spec.stage.load_runner()(job)
-    ray.train.report({k: v for k, v in metrics.items() if isinstance(v, (int, float))})
+    if not payload.in_driver:  # local mode's result is the last report whole: it would lose the checkpoint's
+        ray.train.report({k: v for k, v in metrics.items() if isinstance(v, (int, float))})
 
 
 def hf_dataset(name: str, blocks: list["ray.ObjectRef"]):
@@ -121,7 +125,7 @@ def _readable_copy(checkpoint) -> str:
     return checkpoint.to_directory(tempfile.mkdtemp(prefix="rayfactory-resume-"))
 
 
-def _report_callback():
+def _report_callback(in_place: bool = False):
     """Ray's RayTrainReportCallback, but it copies this step's committed checkpoint, after every rank wrote it.
 
     Each rank copies ``output_dir/checkpoint-N`` and uploads it into one shared Ray checkpoint
@@ -135,6 +139,10 @@ def _report_callback():
     an earlier checkpoint that can be a folder of the replaced run (or one skipped as half-written),
     which a worker-group restart would then load from Ray storage; so the folder copied here is
     the one of the step just saved.
+
+    ``in_place``: training in the driver (Ray Train's local mode), whose report keeps the last
+    Checkpoint object only and copies nothing to Ray storage; the committed folder in output_dir
+    is reported as it is (the newest one, which save_total_limit never deletes).
     """
     import shutil
     import tempfile
@@ -151,6 +159,10 @@ def _report_callback():
             metrics = {}
             for record in state.log_history:  # the latest value of every metric, as Ray's callback reports
                 metrics.update(record)
+            if in_place:
+                path = checkpoint_path(args.output_dir, state.global_step)
+                ray.train.report(metrics=metrics, checkpoint=Checkpoint.from_directory(path))
+                return
             with tempfile.TemporaryDirectory() as staging:
                 shutil.copytree(checkpoint_path(args.output_dir, state.global_step),
                                 os.path.join(staging, self.CHECKPOINT_NAME))
@@ -176,16 +188,19 @@ def _resume_point(requested: Optional[str], output_dir: str) -> Optional[str]:
     return requested or None
 
 
-def _memory_budget(use_cpu: bool):
+def _memory_budget(use_cpu: bool, in_driver: bool = False):
     """What this worker's training step may fill (stages/memory_plan.py): its GPU's free memory; on CPU
     the ``memory`` resource of resources_per_worker, else the node's available memory shared by the
-    run's workers on this node."""
+    run's workers on this node. Training in the driver: the machine's available memory (the driver
+    holds no Ray resources of its own)."""
     import ray.train.torch
 
     from stages.memory_plan import MemoryBudget, available_system_memory, local_budget
 
     if not use_cpu:  # Ray Train may show a worker all its node's GPUs; get_device() is this worker's own
         return local_budget(use_cpu=False, device=ray.train.torch.get_device())
+    if in_driver:
+        return MemoryBudget(available_system_memory(), "available memory")
     reserved = ray.get_runtime_context().get_assigned_resources().get("memory")
     if reserved:
         return MemoryBudget(int(reserved), "the worker's Ray memory resource")

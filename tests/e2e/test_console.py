@@ -11,16 +11,23 @@ import os
 import subprocess
 import sys
 
+import pytest
 import yaml
 
 from tests.e2e.conftest import REPO_ROOT, example_config
 
-# Plan (5), data ready, the memory plan, the bar (redraws are carriage returns, not lines), eval, summary (5).
+# The quickstart as it is (two Ray Train workers), and with one worker, which trains in the
+# driver process by default (fabric/in_driver.py).
+MODES = {"in the driver": {"ray_num_workers": 1}, "in workers": {}}
+
+# Plan (5), data ready, where it trains, the memory plan, trainable params (in the driver), the bar
+# (redraws are carriage returns, not lines), eval, summary (5).
 MAX_CONSOLE_LINES = 20
 
 
-def test_quickstart_console_is_short_and_the_log_holds_the_internals(tmp_path):
-    config = example_config("quickstart.yaml", tmp_path, max_steps=6, logging_steps=2, save_steps=100)
+@pytest.mark.parametrize("mode", MODES)
+def test_quickstart_console_is_short_and_the_log_holds_the_internals(tmp_path, mode):
+    config = example_config("quickstart.yaml", tmp_path, max_steps=6, logging_steps=2, save_steps=100, **MODES[mode])
     (tmp_path / "cfg.yaml").write_text(yaml.safe_dump(config))
     env = {**os.environ, "PYTHONPATH": REPO_ROOT, "RAY_ADDRESS": ""}  # a fresh local Ray, as a first run
     done = subprocess.run([sys.executable, "-m", "cluster.cli", "train", "cfg.yaml"], cwd=str(tmp_path), env=env,
@@ -37,7 +44,11 @@ def test_quickstart_console_is_short_and_the_log_holds_the_internals(tmp_path):
     log_path = tmp_path / "out" / "rayfactory.log"
     assert f"log         {log_path}" in done.stdout  # the summary says where the rest went
     assert "eval at step 6: eval_loss" in done.stdout
-    assert "  start-up    first step " in done.stdout and ", workers + model " in done.stdout
+    in_driver = mode == "in the driver"
+    assert "  start-up    first step " in done.stdout
+    labels = (", data ", ", model ") if in_driver else (", data (workers starting) ", ", workers + model ")
+    assert all(label in done.stdout for label in labels), done.stdout
+    assert ("[rayfactory] training in this process" in done.stdout) == in_driver
     # Counted from the command's start (Python and reading the config are seconds of it), and the
     # phases add up to the total.
     startup = next(line for line in lines if line.startswith("  start-up    first step "))
@@ -50,8 +61,8 @@ def test_quickstart_console_is_short_and_the_log_holds_the_internals(tmp_path):
 
     log = log_path.read_text()
     assert "Started a local Ray instance" in log  # the driver's Ray records
-    assert "(RayTrainWorker pid=" in log  # forwarded worker output
-    assert "trainable params:" in log  # logged by stages inside a worker
+    assert ("(RayTrainWorker pid=" in log) != in_driver  # forwarded worker output
+    assert "trainable params:" in log  # logged by stages (inside a worker, or here)
     assert "***** eval metrics *****" in log  # printed by transformers inside a worker
     # Fixed at the cause, so absent from the log as well.
     assert "LOAD_GLOBAL" not in log  # datasets' fingerprinting through dill, leaked by Ray Train's print patch
@@ -59,30 +70,40 @@ def test_quickstart_console_is_short_and_the_log_holds_the_internals(tmp_path):
     assert "Failed to query Ray Train Controller" not in log  # the State API a local Ray does not serve
 
 
-def test_ctrl_c_stops_the_run_and_its_ray_without_a_traceback(tmp_path):
+@pytest.mark.parametrize("mode", MODES)
+def test_ctrl_c_stops_the_run_and_its_ray_without_a_traceback(tmp_path, mode):
     """Ctrl-C mid-training: the workers and the run's own local Ray go, a one-line message says
     so, and the exit status is the shell's usual 130."""
+    import contextlib
     import signal
     import time
 
     import psutil
 
-    config = example_config("quickstart.yaml", tmp_path, max_steps=100000, logging_steps=1, save_steps=100000)
+    config = example_config("quickstart.yaml", tmp_path, max_steps=100000, logging_steps=1, save_steps=100000,
+                            **MODES[mode])
     (tmp_path / "cfg.yaml").write_text(yaml.safe_dump(config))
     env = {**os.environ, "PYTHONPATH": REPO_ROOT, "RAY_ADDRESS": ""}
     run = subprocess.Popen([sys.executable, "-m", "cluster.cli", "train", "cfg.yaml"], cwd=str(tmp_path), env=env,
                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
-    first_steps = tmp_path / "out" / "trainer_log.jsonl"
-    deadline = time.time() + 600
-    while not first_steps.exists() and run.poll() is None and time.time() < deadline:
-        time.sleep(0.2)
-    assert first_steps.exists(), run.communicate()
-    descendants = psutil.Process(run.pid).children(recursive=True)  # the local Ray: daemons, workers
-    assert any("RayTrainWorker" in " ".join(p.cmdline()) for p in descendants if p.is_running())
-    run.send_signal(signal.SIGINT)
-    stdout, stderr = run.communicate(timeout=120)
-    assert run.returncode == 130, stdout[-3000:] + stderr[-3000:]
-    assert "rayfactory: interrupted" in stderr and "Traceback" not in stdout + stderr, stderr
+    try:
+        first_steps = tmp_path / "out" / "trainer_log.jsonl"
+        deadline = time.time() + 600
+        while not first_steps.exists() and run.poll() is None and time.time() < deadline:
+            time.sleep(0.2)
+        assert first_steps.exists(), run.communicate()
+        descendants = psutil.Process(run.pid).children(recursive=True)  # the local Ray: daemons, workers
+        in_worker = any("RayTrainWorker" in " ".join(p.cmdline()) for p in descendants if p.is_running())
+        assert in_worker == (mode == "in workers") and any("raylet" in " ".join(p.cmdline()) for p in descendants)
+        run.send_signal(signal.SIGINT)
+        stdout, stderr = run.communicate(timeout=120)
+        assert run.returncode == 130, stdout[-3000:] + stderr[-3000:]
+        assert "rayfactory: interrupted" in stderr and "Traceback" not in stdout + stderr, stderr
+    finally:  # a failed check above must not leave a 100000-step run and its Ray behind
+        if run.poll() is None:
+            for process in [*psutil.Process(run.pid).children(recursive=True), psutil.Process(run.pid)]:
+                with contextlib.suppress(psutil.NoSuchProcess):
+                    process.kill()
     _, alive = psutil.wait_procs(descendants, timeout=30)
     assert not alive, [p.cmdline() for p in alive]

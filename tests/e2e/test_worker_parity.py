@@ -111,14 +111,27 @@ def two_workers(ray_session, tmp_path_factory):
     return result.output_dir, str(out / "indices")
 
 
-def test_two_workers_match_one_worker_on_the_same_global_batch(ray_session, tmp_path, two_workers):
-    two_dir, _ = two_workers
+def _one_epoch_of_16_rows(output_dir, **overrides) -> dict:
+    return tiny_sft_config(output_dir, per_device_train_batch_size=16, max_steps=-1, num_train_epochs=1, **overrides)
+
+
+@pytest.fixture(scope="module")
+def one_worker(ray_session, tmp_path_factory):
+    """The same epoch on one Ray Train worker x 16 rows (train_in_driver: false keeps the worker
+    group a lone local worker would otherwise skip: fabric/in_driver.py); the actors it started."""
+    out = tmp_path_factory.mktemp("one_worker")
     with contextlib.suppress(ValueError):  # a session's earlier Ray Data run may have started it
         ray_session.kill(ray_session.get_actor(COORDINATOR, namespace=COORDINATOR))
     before = _actors()
-    one = run_exp(tiny_sft_config(tmp_path / "one", per_device_train_batch_size=16, max_steps=-1, num_train_epochs=1),
-                  callbacks=[RecordWrapping(str(tmp_path / "wrap.json"))])
+    one = run_exp(_one_epoch_of_16_rows(out / "one", train_in_driver=False),
+                  callbacks=[RecordWrapping(str(out / "wrap.json"))])
     started = {name for actor_id, name in _actors().items() if actor_id not in before}
+    return one.output_dir, started, str(out / "wrap.json")
+
+
+def test_two_workers_match_one_worker_on_the_same_global_batch(one_worker, two_workers):
+    two_dir, _ = two_workers
+    one_dir, started, wrap = one_worker
     # Ray Train's worker; none of the helper actors a run on its own local Ray with a tokenized
     # dataset leaves unused (fabric/lean_trainer.py; the data, small, was tokenized in the driver:
     # no Ray Data), and no controller actor: on the run's own local Ray the controller runs in the
@@ -130,10 +143,10 @@ def test_two_workers_match_one_worker_on_the_same_global_batch(ray_session, tmp_
     # A lone worker trains unwrapped (fabric/worker.py): no all-reduce with nobody, no unused-parameter
     # search; and without a process group, so Ray's torch backend stays out of the controller
     # (fabric/launcher.py).
-    with open(tmp_path / "wrap.json", encoding="utf-8") as f:
+    with open(wrap, encoding="utf-8") as f:
         assert json.load(f) == {"distributed_type": "NO", "world_size": 1, "process_group": False,
                                 "find_unused_parameters": False, "nice": 0}
-    two_losses, one_losses = _losses(two_dir), _losses(one.output_dir)
+    two_losses, one_losses = _losses(two_dir), _losses(one_dir)
 
     assert [s for s, _ in one_losses] == list(range(1, 21))  # 320 rows / 16 per step
     assert [s for s, _ in two_losses] == [s for s, _ in one_losses]
@@ -142,6 +155,39 @@ def test_two_workers_match_one_worker_on_the_same_global_batch(ray_session, tmp_
     assert worst < REL_TOL, (two_losses, one_losses)
     # It trained (a flat curve would match trivially).
     assert one_losses[-1][1] < 0.6 * one_losses[0][1]
+
+
+class RecordProcess(TrainerCallback):
+    """Which process trains: the driver's own callback object records only where it runs itself
+    (a Ray Train worker gets a pickled copy, whose records stay in the worker)."""
+
+    def __init__(self):
+        self.pids: list[int] = []
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        self.pids.append(os.getpid())
+
+
+def test_a_lone_local_worker_trains_in_the_driver_with_the_same_losses(ray_session, tmp_path, one_worker):
+    """The default for one CPU worker on the run's own local Ray: Ray Train's local mode, in this
+    process, no actor started (the small data is tokenized in the driver). Same seed, same rows,
+    same threads as the lone worker: the same curve, to float rounding."""
+    one_dir, _, _ = one_worker
+    where = RecordProcess()
+    before = _actors()
+    here = run_exp(_one_epoch_of_16_rows(tmp_path / "here"),
+                   callbacks=[where, RecordWrapping(str(tmp_path / "wrap.json"))])
+    assert where.pids == [os.getpid()]
+    assert {name for actor_id, name in _actors().items() if actor_id not in before} == set()
+    with open(tmp_path / "wrap.json", encoding="utf-8") as f:
+        assert json.load(f) == {"distributed_type": "NO", "world_size": 1, "process_group": False,
+                                "find_unused_parameters": False, "nice": os.getpriority(os.PRIO_PROCESS, 0)}
+    here_losses, one_losses = _losses(here.output_dir), _losses(one_dir)
+    assert [s for s, _ in here_losses] == [s for s, _ in one_losses] == list(range(1, 21))
+    worst = max(abs(a - b) / abs(b) for (_, a), (_, b) in zip(here_losses, one_losses))
+    print(f"largest relative loss difference, driver vs lone worker: {worst:.2e}")
+    assert worst < REL_TOL, (here_losses, one_losses)
+    assert here_losses[-1][1] < 0.6 * here_losses[0][1]
 
 
 def test_each_worker_trains_on_its_own_half_of_the_data(ray_session, tmp_path, two_workers):
@@ -170,7 +216,7 @@ def test_with_rays_train_state_tracking_the_controller_is_an_actor(ray_session, 
     and watches that actor, so with it on the controller stays an actor, and the run trains."""
     monkeypatch.setenv("RAY_TRAIN_ENABLE_STATE_TRACKING", "1")
     before = _actors()
-    result = run_exp(tiny_sft_config(tmp_path / "run", max_steps=3, logging_steps=1))
+    result = run_exp(tiny_sft_config(tmp_path / "run", max_steps=3, logging_steps=1, train_in_driver=False))
     started = {name for actor_id, name in _actors().items() if actor_id not in before}
     assert {"TrainController", "RayTrainWorker"} <= started, started
     assert [s for s, _ in _losses(result.output_dir)] == [1, 2, 3]

@@ -1,0 +1,79 @@
+"""A lone local CPU worker's training, run in the driver process (Ray Train's local mode).
+
+On one machine with one CPU worker, a Ray Train worker group does nothing the driver could not
+do itself, and it costs start-up: the worker's process boots (1.6 s on 2 cores), imports torch
+and Transformers a second time (3.0 s; the driver has them already, for the tokenizer), and Ray
+Train starts a synchronization actor and our progress mailbox beside it. On a tiny LoRA run that
+was 7 of 16 seconds (benchmarks/README.md, "Training in the driver"). Ray Train's local mode
+(``ScalingConfig(num_workers=0)``) runs the same ``train_loop`` in this process, with the same
+``ray.train`` calls (context, report, checkpoint); Ray Data still tokenizes on Ray first.
+
+What local mode leaves to us: its ``report`` keeps only the last Checkpoint object, so the
+checkpoint reported is the committed ``output_dir/checkpoint-N`` itself, not a staged copy for
+Ray storage (there is no worker group to restart from one); and progress records go straight
+to the console, with no mailbox in between. Runs that need a worker group keep it
+(RayArguments.worker_group_reasons); ``train_in_driver: false`` keeps it always.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING, Callable, Iterable
+
+import ray
+from ray.train import RunConfig, ScalingConfig
+from ray.train.v2.api.data_parallel_trainer import DataParallelTrainer
+
+from stages.job import JobSpec
+
+from .args import RayArguments
+from .progress import ProgressRelay
+from .ray_session import started_local_ray
+from .worker import WorkerPayload, train_loop
+
+if TYPE_CHECKING:
+    from transformers import TrainerCallback
+
+    from .data_pipeline import PreparedData
+
+logger = logging.getLogger(__name__)
+
+
+def trains_in_driver(spec: JobSpec, ray_args: RayArguments) -> bool:
+    """Whether this run trains in the driver: see the module's docstring and RayArguments.train_in_driver.
+    Asked before Ray starts (the plan) and at launch; a Ray this process did not start (a cluster
+    joined with ray.init by the caller) keeps the worker group unless train_in_driver says otherwise."""
+    if ray_args.train_in_driver is not None:
+        return ray_args.train_in_driver
+    if ray.is_initialized() and not started_local_ray():
+        return False
+    return not ray_args.worker_group_reasons(
+        streaming=spec.data.streaming, deepspeed=bool(spec.training.values.get("deepspeed")),
+        rl=spec.stage.launch == "rl_controller",
+    )
+
+
+def train_here(
+    spec: JobSpec, ray_args: RayArguments, prepare_data: Callable[[], "PreparedData"],
+    callbacks: Iterable["TrainerCallback"] = (), progress: Callable[[dict], None] | None = None,
+    run_name: str = "run",
+) -> tuple["ray.train.Result", "PreparedData"]:
+    """launch_training's way for a run that trains in the driver: tokenize, then train here."""
+    data = prepare_data()  # nothing to overlap it with: the model loads in this process next
+    blocks = {"train": data.train.to_arrow_refs()}
+    if data.eval is not None:
+        blocks["eval"] = data.eval.to_arrow_refs()
+    relay = ProgressRelay(progress, direct=True)
+    payload = WorkerPayload(
+        spec, blocks=ray.put(blocks), use_cpu=True, callbacks=[*callbacks, *relay.callbacks],
+        torch_threads=ray_args.ray_threads_per_worker, whole_node=True, in_driver=True,
+    )
+    trainer = DataParallelTrainer(
+        train_loop_per_worker=train_loop,
+        train_loop_config={"payload": payload},  # not pickled: its progress callback holds the console
+        scaling_config=ScalingConfig(num_workers=0),
+        run_config=RunConfig(name=run_name, storage_path=ray_args.ray_storage_path),
+    )
+    logger.info("training in this process (one CPU worker on this run's local Ray; train_in_driver: false "
+                "starts a Ray Train worker instead)")
+    return trainer.fit(), data
