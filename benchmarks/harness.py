@@ -31,7 +31,8 @@ SAMPLE_INTERVAL_S = 0.5
 
 
 class BenchCallback(TrainerCallback):
-    """Runs inside each Ray Train worker; writes wall-clock marks and the worker's peak RSS.
+    """Runs where training runs (each Ray Train worker, or the driver for a lone local CPU worker:
+    fabric/in_driver.py); writes wall-clock marks and that process's peak RSS.
 
     The scripts register this module to be pickled by value, so workers need no import of it.
     """

@@ -67,6 +67,7 @@ def train_here(
     payload = WorkerPayload(
         spec, blocks=ray.put(blocks), use_cpu=True, callbacks=[*callbacks, *relay.callbacks],
         torch_threads=ray_args.ray_threads_per_worker, whole_node=True, in_driver=True,
+        memory=ray_args.resources_per_worker.get("memory"),
     )
     trainer = DataParallelTrainer(
         train_loop_per_worker=train_loop,

@@ -33,6 +33,7 @@ class WorkerPayload:
     torch_threads: Optional[int] = None  # ray_threads_per_worker; None: the rule in fabric/threads.py
     whole_node: bool = False  # a lone CPU worker with no stream beside it: it may use every core
     in_driver: bool = False  # Ray Train's local mode: train_loop runs in the driver (fabric/in_driver.py)
+    memory: Optional[float] = None  # in the driver: resources_per_worker's memory (bytes), which no Ray resource holds
 
 
 def train_loop(config: dict) -> None:
@@ -74,7 +75,7 @@ def train_loop(config: dict) -> None:
         callbacks=[_report_callback(in_place=payload.in_driver), *payload.callbacks],
         resume_from_checkpoint=_resume_point(training_args.resume_from_checkpoint, training_args.output_dir),
         prepare_trainer=lambda trainer: feed_streamed_shards(prepare_trainer(trainer)),
-        memory_budget=_memory_budget(payload.use_cpu, payload.in_driver),
+        memory_budget=_memory_budget(payload),
         notes=_console_notes(payload.callbacks),
     )
     metrics = spec.stage.load_runner()(job)
@@ -188,22 +189,24 @@ def _resume_point(requested: Optional[str], output_dir: str) -> Optional[str]:
     return requested or None
 
 
-def _memory_budget(use_cpu: bool, in_driver: bool = False):
+def _memory_budget(payload: WorkerPayload):
     """What this worker's training step may fill (stages/memory_plan.py): its GPU's free memory; on CPU
     the ``memory`` resource of resources_per_worker, else the node's available memory shared by the
-    run's workers on this node. Training in the driver: the machine's available memory (the driver
-    holds no Ray resources of its own)."""
+    run's workers on this node. Training in the driver, which holds no Ray resources: that
+    ``memory`` too, as the payload carries it, else the machine's available memory."""
     import ray.train.torch
 
     from stages.memory_plan import MemoryBudget, available_system_memory, local_budget
 
-    if not use_cpu:  # Ray Train may show a worker all its node's GPUs; get_device() is this worker's own
+    if not payload.use_cpu:  # Ray Train may show a worker all its node's GPUs; get_device() is this worker's own
         return local_budget(use_cpu=False, device=ray.train.torch.get_device())
-    if in_driver:
-        return MemoryBudget(available_system_memory(), "available memory")
-    reserved = ray.get_runtime_context().get_assigned_resources().get("memory")
+    if payload.in_driver:
+        reserved = payload.memory
+    else:
+        reserved = ray.get_runtime_context().get_assigned_resources().get("memory")
     if reserved:
-        return MemoryBudget(int(reserved), "the worker's Ray memory resource")
+        return MemoryBudget(int(reserved), "resources_per_worker's memory" if payload.in_driver
+                            else "the worker's Ray memory resource")
     workers = max(1, ray.train.get_context().get_local_world_size())
     share = "available memory" + (f" / {workers} workers on the node" if workers > 1 else "")
     return MemoryBudget(available_system_memory() // workers, share)
