@@ -65,6 +65,10 @@ class HoldForNodeRemoval(TrainerCallback):
         if state.global_step == self.step and args.process_index == 0 and not os.path.exists(self.victim):
             import ray
 
+            # Ray Train's controller takes a reported checkpoint in when it next polls the workers
+            # (every 0.5 s); a death before that restarts from the checkpoint before (the README
+            # says so). The tiny model runs the steps after the save in less than that: wait.
+            time.sleep(2)
             with open(self.victim + ".tmp", "w", encoding="utf-8") as f:
                 f.write(ray.get_runtime_context().get_node_id())
             os.replace(self.victim + ".tmp", self.victim)
