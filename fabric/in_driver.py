@@ -27,14 +27,12 @@ from ray.train.v2.api.data_parallel_trainer import DataParallelTrainer
 from stages.job import JobSpec
 
 from .args import RayArguments
-from .progress import ProgressRelay
+from .progress import RelayCallback
 from .ray_session import started_local_ray
 from .worker import WorkerPayload, train_loop
 
 if TYPE_CHECKING:
     from transformers import TrainerCallback
-
-    from .data_pipeline import PreparedData
 
 logger = logging.getLogger(__name__)
 
@@ -54,18 +52,13 @@ def trains_in_driver(spec: JobSpec, ray_args: RayArguments) -> bool:
 
 
 def train_here(
-    spec: JobSpec, ray_args: RayArguments, prepare_data: Callable[[], "PreparedData"],
+    spec: JobSpec, ray_args: RayArguments, blocks: dict[str, list["ray.ObjectRef"]], run_name: str,
     callbacks: Iterable["TrainerCallback"] = (), progress: Callable[[dict], None] | None = None,
-    run_name: str = "run",
-) -> tuple["ray.train.Result", "PreparedData"]:
-    """launch_training's way for a run that trains in the driver: tokenize, then train here."""
-    data = prepare_data()  # nothing to overlap it with: the model loads in this process next
-    blocks = {"train": data.train.to_arrow_refs()}
-    if data.eval is not None:
-        blocks["eval"] = data.eval.to_arrow_refs()
-    relay = ProgressRelay(progress, direct=True)
+) -> "ray.train.Result":
+    """launch_training's way for a run that trains in the driver, on the tokenized data's blocks."""
+    relayed = [RelayCallback(None, on_record=progress)] if progress is not None else []
     payload = WorkerPayload(
-        spec, blocks=ray.put(blocks), use_cpu=True, callbacks=[*callbacks, *relay.callbacks],
+        spec, blocks=ray.put(blocks), use_cpu=True, callbacks=[*callbacks, *relayed],
         torch_threads=ray_args.ray_threads_per_worker, whole_node=True, in_driver=True,
         memory=ray_args.resources_per_worker.get("memory"),
     )
@@ -77,4 +70,4 @@ def train_here(
     )
     logger.info("training in this process (one CPU worker on this run's local Ray; train_in_driver: false "
                 "starts a Ray Train worker instead)")
-    return trainer.fit(), data
+    return trainer.fit()

@@ -38,8 +38,9 @@ def launch_training(
     ``progress``, if given, is called on the driver with each of rank 0's Trainer log records."""
     training = spec.training
     run_name = ray_args.ray_run_name or default_run_name(training.output_dir)
-    if in_driver:
-        return train_here(spec, ray_args, prepare_data, callbacks, progress, run_name)
+    if in_driver:  # nothing to overlap tokenizing with: the model loads in this process next
+        data = prepare_data()
+        return train_here(spec, ray_args, _block_refs(data, with_train=True), run_name, callbacks, progress), data
     relay = ProgressRelay(progress)
     streaming = spec.data.streaming
     if streaming:

@@ -32,7 +32,7 @@ class RelayCallback(TrainerCallback):
 
     def __init__(self, mailbox, on_record=None):
         self.mailbox = mailbox
-        self.on_record = on_record  # in the driver: records go here at once, not through a mailbox
+        self.on_record = on_record  # training in the driver: records go here, with no mailbox between
         self._stepped = False
         self._pending: list[dict] = []
         self._last_sent = 0.0
@@ -64,30 +64,29 @@ class RelayCallback(TrainerCallback):
             self._flush()
 
     def _flush(self) -> None:
-        if self._pending and self.on_record is not None:
-            pending, self._pending, self._last_sent = self._pending, [], time.monotonic()
-            for record in pending:
-                try:
-                    self.on_record(record)
-                except Exception:  # noqa: BLE001 (showing progress must never stop a run)
-                    logger.debug("progress display failed", exc_info=True)
-        elif self._pending:
+        if not self._pending:
+            return
+        pending, self._pending, self._last_sent = self._pending, [], time.monotonic()
+        if self.on_record is None:
             # Fire and forget: calls from one caller run in order, and training never waits on the driver.
-            self.mailbox.put.remote(*self._pending)
-            self._pending, self._last_sent = [], time.monotonic()
+            self.mailbox.put.remote(*pending)
+            return
+        for record in pending:
+            try:
+                self.on_record(record)
+            except Exception:  # noqa: BLE001 (showing progress must never stop a run)
+                logger.debug("progress display failed", exc_info=True)
 
 
 class ProgressRelay:
     """``with ProgressRelay(on_record) as relay:`` around ``fit()``; ship ``relay.callbacks`` to the
-    workers. ``on_record=None`` relays nothing (no actor, no thread); ``direct``: the callback runs
-    in this process (training in the driver) and calls ``on_record`` itself (no actor, no thread)."""
+    workers. ``on_record=None`` relays nothing (no actor, no thread)."""
 
-    def __init__(self, on_record=None, interval_s: float = 0.5, direct: bool = False):
+    def __init__(self, on_record=None, interval_s: float = 0.5):
         self.on_record = on_record
         self.interval_s = interval_s
-        relayed = on_record is not None and not direct
-        self.mailbox = Mailbox.remote() if relayed else None  # the launcher hands data through it too
-        self.callbacks = [] if on_record is None else [RelayCallback(self.mailbox, on_record if direct else None)]
+        self.mailbox = Mailbox.remote() if on_record is not None else None  # the launcher hands data through it too
+        self.callbacks = [RelayCallback(self.mailbox)] if on_record is not None else []
         self._stop = threading.Event()
         self._thread = None
 
