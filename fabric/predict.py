@@ -65,6 +65,8 @@ def run_predictions(spec: InferenceSpec, data_args: DataArguments, seed: int, ra
                     output_dir: str) -> PredictResult:
     """Answer every eval_dataset row on Ray; write predictions and scores into ``output_dir``."""
     started = time.time()
+    if spec.data.escape_special_tokens is None:  # eval rows are the data author's: encoded as training encodes them
+        spec = replace(spec, data=replace(spec.data, escape_special_tokens=False))
     resources = {k: float(v) for k, v in ray_args.resources_per_worker.items()}
     cpus, gpus = resources.pop("CPU", 1.0), resources.pop("GPU", 0.0)
     with pipeline_context(), _actor_pool_context():

@@ -56,18 +56,22 @@ def parse_tiny_name(name: str) -> tuple[str, dict[str, int]]:
     return family, options
 
 
-def load_tokenizer_and_template(model_args, data_args):
+def load_tokenizer_and_template(model_args, data_args, for_requests: bool = False):
     """The tokenizer fixed for the template (eos/pad/stop words) and the template with the
-    data options (default_system, tool_format, enable_thinking) applied."""
+    data options (default_system, tool_format, enable_thinking, escape_special_tokens) applied.
+    ``for_requests``: the template encodes untrusted requests (inference), not training data."""
     tokenizer = load_tokenizer(resolve_model_path(model_args.model_name_or_path))
     template = resolve_template(data_args.template, tokenizer)
-    template = customize_template(template, data_args)
+    template = customize_template(template, data_args, for_requests)
     template.fix_tokenizer(tokenizer)
     return tokenizer, template
 
 
-def customize_template(template, data_args):
+def customize_template(template, data_args, for_requests: bool = False):
     changes = {}
+    escape = getattr(data_args, "escape_special_tokens", None)
+    if (for_requests if escape is None else escape) != template.escape_special_tokens:
+        changes["escape_special_tokens"] = for_requests if escape is None else bool(escape)
     if getattr(data_args, "default_system", None) is not None:
         changes["default_system"] = data_args.default_system
     if template.thought_words is not None:

@@ -17,8 +17,8 @@ API); the engine queues or batches concurrent requests itself.
 # extra) do not resolve string annotations on a Serve ingress class, which turns every request
 # into a 400 for a missing "request" query parameter.
 import asyncio
+import contextlib
 import hmac
-import os
 from typing import Any, AsyncIterator, Iterable, Optional
 
 from fastapi import FastAPI, Request
@@ -34,10 +34,13 @@ from stages.inference.scoring import is_reward_output
 from stages.value_head import VALUE_HEAD_FILE
 
 from . import protocol as p
+from .args import RequestLimits, ServeArguments, resolve_api_key
 
 DEPLOYMENT = "ChatServer"
 
-api = FastAPI(title="RayFactory OpenAI-compatible API")
+# /docs and /openapi.json are off: they would answer without the API key (and the page loads its
+# scripts from a CDN). serve_docs: true turns them on, for a server on a trusted network.
+api = FastAPI(title="RayFactory OpenAI-compatible API", docs_url=None, redoc_url=None, openapi_url=None)
 
 
 @api.exception_handler(p.APIError)
@@ -85,11 +88,6 @@ class _WholeDelta:
         self.text = "" if self.tool_calls else response.response_text
 
 
-async def _response_deltas(responses):
-    for response in responses:
-        yield _WholeDelta(response)
-
-
 class _client_errors:
     """Client mistakes found while building or running a request become 400s (never 500s)."""
 
@@ -105,6 +103,24 @@ class _client_errors:
         if isinstance(exc, (ChatInputError, *self.extra)):
             raise p.APIError(400, str(exc), param="messages") from None
         return False
+
+
+@contextlib.asynccontextmanager
+async def _time_budget(seconds: float):
+    """Cancel the enclosed awaits after ``seconds`` and raise TimeoutError (asyncio.timeout, also on
+    Python 3.10). The work stays in the caller's task: a client that goes away cancels it all."""
+    task, expired = asyncio.current_task(), []
+    handle = asyncio.get_running_loop().call_later(seconds, lambda: (expired.append(True), task.cancel()))
+    try:
+        yield
+    except asyncio.CancelledError:
+        if not expired:
+            raise
+        if hasattr(task, "uncancel"):
+            task.uncancel()
+        raise TimeoutError from None
+    finally:
+        handle.cancel()
 
 
 def _score_all(scorer, converted: list[tuple[list[dict], Optional[str]]]) -> list[float]:
@@ -127,19 +143,34 @@ def _load_scorer(spec: InferenceSpec):
 @serve.deployment(name=DEPLOYMENT)
 @serve.ingress(api)
 class ChatServer:
-    def __init__(self, spec: InferenceSpec, api_key: Optional[str] = None, with_scorer: bool = False):
+    def __init__(self, spec: InferenceSpec, api_key: Optional[str] = None, with_scorer: bool = False,
+                 limits: Optional[RequestLimits] = None, docs: bool = False):
         self.chat = ChatModel(spec)
         self.model_name = spec.model_name()
         self.adapter_models = list((spec.inference.lora_modules or {}).keys())
         self.api_key = api_key or None
+        self.limits = limits or ServeArguments().request_limits()
         self.scorer = _load_scorer(spec) if with_scorer else None
         self._score_lock = asyncio.Lock()  # the scorer is a plain torch model: one batch at a time
+        self.docs = docs
 
     # --- routes ------------------------------------------------------------------------------
 
     @api.get("/health")
     async def health(self):
         return {"status": "ok"}
+
+    @api.get("/openapi.json", include_in_schema=False)
+    async def openapi(self):
+        self._docs_on()
+        return api.openapi()
+
+    @api.get("/docs", include_in_schema=False)
+    async def docs_page(self):
+        from fastapi.openapi.docs import get_swagger_ui_html
+
+        self._docs_on()
+        return get_swagger_ui_html(openapi_url="/openapi.json", title=api.title)
 
     @api.get("/v1/models")
     async def models(self, request: Request):
@@ -150,22 +181,24 @@ class ChatServer:
     @api.post("/v1/chat/completions")
     async def chat_completions(self, request: Request):
         self._authorize(request)
-        body: p.ChatCompletionRequest = p.parse_body(await request.body(), p.ChatCompletionRequest)
+        body: p.ChatCompletionRequest = await self._body(request, p.ChatCompletionRequest)
         adapter = self._adapter(body.model)
+        body.check_limits(self.limits)
         tools = p.tools_json(body)
         with _client_errors():
             messages, system = p.to_chat_inputs(body.messages)
-            options = p.chat_options(body, adapter)
+            prepared = await self.chat.arequest(messages, system, tools, **p.chat_options(body, adapter))
+            self._check_room(prepared, body.max_completion_tokens or body.max_tokens)
             if body.stream:
-                return await self._stream(body, messages, system, tools, options)
-            responses = await self.chat.agenerate(messages, system, tools, **options)
+                return self._stream(body, prepared, tools)
+            responses = await self._within_budget(self.chat.generate_request(prepared, tools))
         return p.completion(responses, body.model, self.chat.tokenizer)
 
     @api.post("/v1/score")
     async def score(self, request: Request):
         """Reward-model scores of whole conversations (each ends on the assistant reply)."""
         self._authorize(request)
-        body: p.ScoreRequest = p.parse_body(await request.body(), p.ScoreRequest)
+        body: p.ScoreRequest = await self._body(request, p.ScoreRequest)
         self._adapter(body.model)  # 404 for a name this server does not know
         if self.scorer is None:
             raise p.APIError(400, f"model {self.model_name!r} is not a reward model, so it cannot score: serve the "
@@ -178,9 +211,9 @@ class ChatServer:
                              param="messages")
         conversations = [body.messages] if body.messages is not None else body.conversations
         with _client_errors(ValueError):
-            converted = [p.to_chat_inputs(c) for c in conversations]
+            converted = [p.to_chat_inputs(c, ends_on_reply=True) for c in conversations]
             async with self._score_lock:
-                scores = await asyncio.to_thread(_score_all, self.scorer, converted)
+                scores = await self._within_budget(asyncio.to_thread(_score_all, self.scorer, converted))
         return {"object": "list", "model": body.model, "scores": scores,
                 "data": [{"object": "score", "index": i, "score": s} for i, s in enumerate(scores)]}
 
@@ -189,11 +222,31 @@ class ChatServer:
     def _authorize(self, request: Request) -> None:
         if self.api_key is None:
             return
-        header = request.headers.get("authorization", "")
-        scheme, _, token = header.partition(" ")
-        if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), self.api_key.encode()):
+        header = dict(request.headers.raw).get(b"authorization", b"")  # bytes: any header compares, none raises
+        scheme, _, token = header.partition(b" ")
+        if scheme.lower() != b"bearer" or not hmac.compare_digest(token.strip(), self.api_key.encode()):
             raise p.APIError(401, "missing or wrong API key: send the header 'Authorization: Bearer <API key>'.",
                              type="authentication_error", code="invalid_api_key")
+
+    def _docs_on(self) -> None:
+        if not self.docs:
+            raise p.APIError(404, "the API's /docs and /openapi.json are off on this server (serve_docs: true turns "
+                                  "them on).", type="not_found_error")
+
+    async def _body(self, request: Request, model):
+        """The body, read up to serve_max_request_bytes (413 past it), parsed off the event loop."""
+        limit = self.limits.max_request_bytes
+        declared = request.headers.get("content-length", "")
+        too_big = p.APIError(413, f"the request body is over this server's limit of {limit} bytes "
+                                  "(serve_max_request_bytes); send a shorter conversation.", code="request_too_large")
+        if declared.isdigit() and int(declared) > limit:
+            raise too_big
+        raw = bytearray()
+        async for piece in request.stream():
+            raw += piece
+            if len(raw) > limit:
+                raise too_big
+        return await asyncio.to_thread(p.parse_body, bytes(raw), model)
 
     def _adapter(self, model: str) -> Optional[str]:
         """The adapter a request's ``model`` selects (None: the default model)."""
@@ -205,38 +258,64 @@ class ChatServer:
         raise p.APIError(404, f"the model {model!r} does not exist here; this server has {known} (GET /v1/models).",
                          type="not_found_error", param="model", code="model_not_found")
 
-    async def _stream(self, body: p.ChatCompletionRequest, messages, system, tools, options) -> StreamingResponse:
+    def _check_room(self, prepared, asked: Optional[int]) -> None:
+        """The prompt, and the reply length the client asked for, against the context window (400s)."""
+        window = self.chat.engine.max_model_len
+        room = window - len(prepared.prompt_ids)
+        if room < 1:
+            raise PromptTooLong(len(prepared.prompt_ids), window)
+        if asked is not None and asked > room:
+            raise p.APIError(400, f"the model's context window is {window} tokens, but {len(prepared.prompt_ids) + asked} "
+                                  f"were asked for ({len(prepared.prompt_ids)} in the messages, {asked} in the reply). "
+                                  "Lower max_tokens or shorten the messages.", param="max_tokens",
+                             code="context_length_exceeded")
+
+    async def _within_budget(self, work):
+        """``work`` stopped past serve_request_timeout_s (408), so one request cannot hold a replica."""
+        try:
+            async with _time_budget(self.limits.timeout_s):
+                return await work
+        except TimeoutError:
+            raise p.APIError(408, self._timeout_message(), code="timeout") from None
+
+    def _timeout_message(self) -> str:
+        return (f"the request ran past this server's time budget of {self.limits.timeout_s:g} s "
+                "(serve_request_timeout_s) and was stopped; ask for fewer tokens (max_tokens) or fewer choices (n).")
+
+    def _stream(self, body: p.ChatCompletionRequest, prepared, tools) -> StreamingResponse:
         cid, name = p.completion_id(), body.model
-        if tools:  # tool calls are parsed from the whole reply: answer once, as chunks
-            deltas = _response_deltas(await self.chat.agenerate(messages, system, tools, **options))
-        else:
-            deltas = self.chat.astream(messages, system, tools, **options)
-        prompt_tokens = len(self.chat.prompt_ids(messages, system, tools))
-        first = await deltas.__anext__()  # a too-long prompt fails here, before the 200 is sent
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
+        budget = self.limits.timeout_s
+
+        async def deltas():
+            if tools:  # tool calls are parsed from the whole reply: answer once, as chunks
+                for response in await self.chat.generate_request(prepared, tools):
+                    yield _WholeDelta(response)
+            else:
+                async for delta in self.chat.stream_request(prepared):
+                    yield delta
 
         async def events() -> AsyncIterator[str]:
             started, completion_tokens = set(), 0
+            source = deltas()
             try:
-                delta = first
-                while True:
-                    if delta.index not in started:
-                        started.add(delta.index)
-                        yield p.sse(p.chunk(cid, name, [{"index": delta.index, "delta": {"role": "assistant", "content": ""},
-                                                         "logprobs": None, "finish_reason": None}]))
-                    completion_tokens += delta.tokens
-                    for choice in _choices(delta, self.chat.tokenizer):
-                        yield p.sse(p.chunk(cid, name, [choice]))
-                    try:
-                        delta = await deltas.__anext__()
-                    except StopAsyncIteration:
-                        break
+                async with _time_budget(budget):  # counted from the first byte sent, not from each chunk
+                    async for delta in source:
+                        if delta.index not in started:
+                            started.add(delta.index)
+                            yield p.sse(p.chunk(cid, name, [{"index": delta.index, "delta": {"role": "assistant",
+                                        "content": ""}, "logprobs": None, "finish_reason": None}]))
+                        completion_tokens += delta.tokens
+                        for choice in _choices(delta, self.chat.tokenizer):
+                            yield p.sse(p.chunk(cid, name, [choice]))
                 if include_usage:
-                    yield p.sse(p.chunk(cid, name, [], p.usage(prompt_tokens, completion_tokens)))
-            except (ChatInputError, PromptTooLong) as exc:  # after the 200: the error goes in the stream
+                    yield p.sse(p.chunk(cid, name, [], p.usage(len(prepared.prompt_ids), completion_tokens)))
+            except TimeoutError:  # after the 200: the error goes in the stream
+                yield p.sse(p.error_body(self._timeout_message(), code="timeout"))
+            except (ChatInputError, PromptTooLong) as exc:
                 yield p.sse(p.error_body(str(exc)))
             finally:
-                await deltas.aclose()
+                await source.aclose()
             yield p.sse("[DONE]")
 
         return StreamingResponse(events(), media_type="text/event-stream")
@@ -266,17 +345,14 @@ def needs_scorer(cfg) -> bool:
     return cfg.finetuning.stage == "rm" or is_reward_output(cfg.inference_spec().output_folder)
 
 
-def resolve_api_key(cfg) -> Optional[str]:
-    return os.environ.get("API_KEY") or cfg.serve.api_key or None
-
-
 def build_app(config, overrides: Iterable[str] = (), api_key: Optional[str] = None):
     """The Serve application for a config (a RunConfig, a YAML path or a dict of keys)."""
     from ..config import RunConfig, load_config
 
     cfg = config if isinstance(config, RunConfig) else load_config(config, list(overrides), purpose="infer")
     key = api_key if api_key is not None else resolve_api_key(cfg)
-    return ChatServer.options(**deployment_options(cfg.serve)).bind(cfg.inference_spec(), key, needs_scorer(cfg))
+    return ChatServer.options(**deployment_options(cfg.serve)).bind(
+        cfg.inference_spec(), key, needs_scorer(cfg), cfg.serve.request_limits(), cfg.serve.serve_docs)
 
 
 def app_builder(args: dict[str, Any]):

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import secrets
 import signal
 import sys
 import time
@@ -18,8 +19,11 @@ import yaml
 
 from registries.errors import UserError
 
+from .args import resolve_api_key
+
 _REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 APP_NAME = "rayfactory"
+LOOPBACK = ("127.0.0.1", "localhost", "::1")
 
 
 class ServeSetupError(UserError):
@@ -39,6 +43,28 @@ def resolve_address(args: argparse.Namespace, cfg) -> tuple[str, int]:
     if not 0 < port < 65536:
         raise ServeSetupError(f"port {port} is not a TCP port (1-65535); fix --port, API_PORT or api_port.")
     return host, port
+
+
+def check_exposure(host: str, api_key) -> None:
+    """A server other machines can reach answers only callers that hold the API key."""
+    if host not in LOOPBACK and not api_key:
+        raise ServeSetupError(
+            f"--host {host} opens the API to other machines, and anyone who reaches it could use the model. Set an "
+            "API key (API_KEY in the environment, or api_key in the config) that clients send as 'Authorization: "
+            "Bearer <key>', or keep the default host 127.0.0.1 (and forward the port: ssh -L 8000:localhost:8000).")
+
+
+def _require_ray_token(ray_args) -> None:
+    """Ray's token authentication for the local Ray this command starts.
+
+    Ray's daemons listen on every interface, with no setting that keeps them to loopback. With a
+    token that only this process and the Ray processes it starts know, a stranger who reaches those
+    ports cannot join the Ray and run code in it. A cluster (ray_address / RAY_ADDRESS), and a
+    RAY_AUTH_MODE the user set, are left as they are."""
+    if ray_args.resolved_address() is not None or os.environ.get("RAY_AUTH_MODE") or "ray._raylet" in sys.modules:
+        return
+    os.environ["RAY_AUTH_MODE"] = "token"
+    os.environ["RAY_AUTH_TOKEN"] = secrets.token_hex(32)
 
 
 def serve_config(cfg, config_path: str, overrides: list[str], host: str, port: int) -> dict:
@@ -84,11 +110,14 @@ def run_serve(args: argparse.Namespace) -> int:
         print(f"rayfactory: wrote the Ray Serve config {path} (serve run {path})")
         return 0
 
+    check_exposure(host, resolve_api_key(cfg))
+    _require_ray_token(cfg.ray)  # before anything imports Ray, which reads the setting once
+
     from ray import serve
 
-    from fabric.ray_session import connect
+    from fabric.ray_session import connect, shutdown, started_local_ray
 
-    from .app import build_app, resolve_api_key
+    from .app import build_app
 
     connect(cfg.ray)
     serve.start(http_options={"host": host, "port": port})
@@ -105,5 +134,9 @@ def run_serve(args: argparse.Namespace) -> int:
     except (KeyboardInterrupt, SystemExit):
         pass
     finally:
-        serve.shutdown()
+        signal.signal(signal.SIGINT, signal.SIG_IGN)  # a second Ctrl-C does not leave Ray half stopped
+        if started_local_ray():
+            shutdown()  # the Ray is this command's own: stopping it stops Serve, at once and quietly
+        else:
+            serve.delete(APP_NAME)  # a shared cluster: remove our application, leave the rest running
     return 0

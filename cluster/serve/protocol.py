@@ -13,7 +13,7 @@ import time
 import uuid
 from typing import Any, Literal, Optional, Union
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from stages.inference.chat_model import ChatInputError, Response
 
@@ -41,29 +41,54 @@ def validation_error(exc: ValidationError) -> APIError:
     """The first problem pydantic found, worded for a client, as a 400."""
     first = exc.errors()[0]
     where = ".".join(str(p) for p in first.get("loc", ()) if p != "body")
-    return APIError(400, f"{where or 'body'}: {first.get('msg', 'invalid value')}", param=where or None,
+    message = str(first.get("msg", "invalid value")).removeprefix("Value error, ")
+    return APIError(400, f"{where or 'body'}: {message}", param=where or None,
                     code="invalid_value")
 
 
+MAX_JSON_DEPTH = 64  # deeper bodies are refused (an OpenAI request nests about 6 levels; tool schemas a few more)
+
+
 def parse_body(raw: bytes, model: type[BaseModel]) -> BaseModel:
+    """The request body as ``model``; every way it can be wrong is a 400 (run it off the event loop:
+    a large body takes a while)."""
     try:
         data = json.loads(raw or b"")
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+    except ValueError as exc:  # not JSON, not UTF-8, or a number too long for Python to read
         raise APIError(400, f"the request body is not valid JSON ({exc}).", code="invalid_json") from None
+    except RecursionError:
+        raise APIError(400, f"the request body nests deeper than {MAX_JSON_DEPTH} levels.", code="invalid_json") from None
     if not isinstance(data, dict):
         raise APIError(400, "the request body must be a JSON object.", code="invalid_json")
+    _check_json_tree(data)
     try:
         return model.model_validate(data)
     except ValidationError as exc:
         raise validation_error(exc) from None
 
 
+def _check_json_tree(data: Any) -> None:
+    """No nesting deeper than MAX_JSON_DEPTH, and text that is Unicode (JSON lets a lone surrogate
+    such as "\\ud83d" through, which no tokenizer can encode)."""
+    stack = [(data, 1, "body")]
+    while stack:
+        value, depth, where = stack.pop()
+        if depth > MAX_JSON_DEPTH:
+            raise APIError(400, f"the request body nests deeper than {MAX_JSON_DEPTH} levels.", code="invalid_json")
+        if isinstance(value, str):
+            try:
+                value.encode("utf-8")
+            except UnicodeEncodeError:
+                raise APIError(400, f"{where}: the text holds a lone UTF-16 surrogate (a broken \\uD8xx escape); "
+                                    "send valid Unicode.", param=where, code="invalid_value") from None
+        elif isinstance(value, dict):
+            stack += [(k, depth, where) for k in value]
+            stack += [(v, depth + 1, f"{where}.{k}") for k, v in value.items()]
+        elif isinstance(value, list):
+            stack += [(v, depth + 1, f"{where}[{i}]") for i, v in enumerate(value)]
+
+
 # --- requests --------------------------------------------------------------------------------
-
-class TextPart(BaseModel):
-    type: Literal["text"]
-    text: str
-
 
 class FunctionCallBody(BaseModel):
     name: str
@@ -78,15 +103,42 @@ class ToolCall(BaseModel):
 
 class ChatMessage(BaseModel):
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: Union[str, list[TextPart], None] = None
+    content: Optional[str] = None  # a list of text parts arrives joined into one text
     tool_calls: Optional[list[ToolCall]] = None
     tool_call_id: Optional[str] = None
     name: Optional[str] = None
 
+    @field_validator("content", mode="before")
+    @classmethod
+    def _text_parts(cls, content: Any) -> Any:
+        if not isinstance(content, list):
+            return content
+        texts = []
+        for i, part in enumerate(content):
+            kind = part.get("type") if isinstance(part, dict) else None
+            if kind != "text" and isinstance(kind, str):
+                raise ValueError(f"content[{i}] is a part of type {kind!r}: this server takes text parts only; it "
+                                 "serves a text model, with no image or audio input")
+            if kind != "text" or not isinstance(part.get("text"), str):
+                raise ValueError(f'content[{i}] must be a text part, {{"type": "text", "text": "..."}}')
+            texts.append(part["text"])
+        return "".join(texts)
+
     def text(self) -> str:
-        if isinstance(self.content, list):
-            return "".join(part.text for part in self.content)
         return self.content or ""
+
+
+class FunctionSpec(BaseModel):
+    name: str = Field(min_length=1)
+    description: Optional[str] = None
+    parameters: Optional[dict[str, Any]] = None
+
+
+class ToolSpec(BaseModel):
+    """One entry of ``tools``: checked here, passed on to the template as the client sent it."""
+
+    type: Literal["function"]
+    function: FunctionSpec
 
 
 class StreamOptions(BaseModel):
@@ -102,15 +154,46 @@ class ChatCompletionRequest(BaseModel):
     top_p: Optional[float] = Field(None, gt=0, le=1)
     max_tokens: Optional[int] = Field(None, ge=1)
     max_completion_tokens: Optional[int] = Field(None, ge=1)
-    n: int = Field(1, ge=1, le=64)
+    n: int = Field(1, ge=1)  # the most is serve_max_n
     stop: Union[str, list[str], None] = None
-    seed: Optional[int] = None
+    seed: Optional[int] = Field(None, ge=0, lt=2**63)  # an int64, as OpenAI's
     tools: Optional[list[dict[str, Any]]] = None
     tool_choice: Union[str, dict[str, Any], None] = None
     logprobs: bool = False
     top_logprobs: Optional[int] = Field(None, ge=0, le=20)
     stream: bool = False
     stream_options: Optional[StreamOptions] = None
+
+    @field_validator("tools")
+    @classmethod
+    def _tools(cls, tools):
+        for i, tool in enumerate(tools or ()):
+            try:
+                ToolSpec.model_validate(tool)
+            except ValidationError as exc:
+                first = exc.errors()[0]
+                where = ".".join(str(p) for p in first.get("loc", ()))
+                raise ValueError(f"tools[{i}]{'.' + where if where else ''}: {first.get('msg')}; each tool is "
+                                 '{"type": "function", "function": {"name": ..., "description": ..., '
+                                 '"parameters": {...}}}') from None
+        return tools
+
+    def stops(self) -> list[str]:
+        return [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+
+    def check_limits(self, limits) -> None:
+        """What this request asks for against the server's ``RequestLimits`` (400s)."""
+        if self.n > limits.max_n:
+            raise APIError(400, f"n is {self.n}; this server answers at most {limits.max_n} choices per request "
+                                "(serve_max_n).", param="n", code="invalid_value")
+        stops = self.stops()
+        if len(stops) > limits.max_stop:
+            raise APIError(400, f"stop has {len(stops)} strings; this server takes at most {limits.max_stop} "
+                                "(serve_max_stop).", param="stop", code="invalid_value")
+        longest = max(stops, key=len, default="")
+        if len(longest) > limits.max_stop_length:
+            raise APIError(400, f"a stop string is {len(longest)} characters; this server takes at most "
+                                f"{limits.max_stop_length} (serve_max_stop_length).", param="stop", code="invalid_value")
 
 
 class ScoreRequest(BaseModel):
@@ -119,29 +202,56 @@ class ScoreRequest(BaseModel):
     conversations: Optional[list[list[ChatMessage]]] = Field(None, min_length=1)
 
 
-def to_chat_inputs(messages: list[ChatMessage]) -> tuple[list[dict], Optional[str]]:
+def to_chat_inputs(messages: list[ChatMessage], ends_on_reply: bool = False) -> tuple[list[dict], Optional[str]]:
     """(our messages, system) from OpenAI messages. Leading system/developer messages are the
     system prompt; consecutive tool results are one observation turn (our templates alternate
-    prompt and response turns)."""
+    prompt and response turns, which is checked here, in the client's own terms)."""
     system_parts: list[str] = []
     out: list[dict] = []
+    where: list[int] = []  # the request's index of each of our turns
     for i, msg in enumerate(messages):
         if msg.role in ("system", "developer"):
             if out:
                 raise ChatInputError(f"messages[{i}] is a {msg.role} message after the conversation began; "
                                      "put system messages first.")
             system_parts.append(msg.text())
-        elif msg.role == "tool":
-            if out and out[-1]["role"] == "observation":
-                out[-1]["content"] += "\n" + msg.text()
-            else:
-                out.append({"role": "observation", "content": msg.text()})
-        elif msg.role == "assistant" and msg.tool_calls:
-            out.append({"role": "function", "content": json.dumps(
-                [{"name": c.function.name, "arguments": _arguments(c, i)} for c in msg.tool_calls], ensure_ascii=False)})
+        elif msg.role == "tool" and out and out[-1]["role"] == "observation":
+            out[-1]["content"] += "\n" + msg.text()
         else:
-            out.append({"role": msg.role, "content": msg.text()})
+            if msg.role == "tool":
+                turn = {"role": "observation", "content": msg.text()}
+            elif msg.role == "assistant" and msg.tool_calls:
+                turn = {"role": "function", "content": json.dumps(
+                    [{"name": c.function.name, "arguments": _arguments(c, i)} for c in msg.tool_calls], ensure_ascii=False)}
+            else:
+                turn = {"role": msg.role, "content": msg.text()}
+            _check_turn_order(turn, out, messages, i)
+            out.append(turn)
+            where.append(i)
+    if not out:
+        raise ChatInputError("messages holds only system messages; add the user message to answer.")
+    last_is_reply = out[-1]["role"] in ("assistant", "function")
+    if last_is_reply != ends_on_reply:
+        raise ChatInputError(
+            f"messages[{where[-1]}], the last message, is a{'n' if messages[where[-1]].role == 'assistant' else ''} "
+            f"{messages[where[-1]].role} message; "
+            + ("a conversation to score must end with the assistant reply being scored." if ends_on_reply
+               else "the reply is generated after a user or tool message, so end on one."))
     return out, ("\n".join(system_parts) if system_parts else None)
+
+
+def _check_turn_order(turn: dict, before: list[dict], messages: list[ChatMessage], index: int) -> None:
+    """User (or tool) messages and assistant messages alternate, starting with a user message."""
+    is_reply = turn["role"] in ("assistant", "function")
+    if is_reply == (len(before) % 2 == 1):
+        return
+    role = messages[index].role
+    if not before:
+        raise ChatInputError(f"messages[{index}] is an assistant message before any user message; the conversation "
+                             "(after the system messages) starts with a user message.")
+    raise ChatInputError(f"messages[{index}] is a{'n' if role == 'assistant' else ''} {role} message right after "
+                         f"another {'assistant' if is_reply else 'user or tool'} message; user (or tool) and "
+                         "assistant messages must alternate. Join the two into one message.")
 
 
 def _arguments(call: ToolCall, index: int) -> Any:
@@ -162,9 +272,8 @@ def tools_json(request: ChatCompletionRequest) -> Optional[str]:
 def chat_options(request: ChatCompletionRequest, adapter: Optional[str]) -> dict[str, Any]:
     """ChatModel keyword arguments for the request. A temperature above 0 asks for sampling, as
     it does for OpenAI; without one the config's do_sample holds."""
-    stop = [request.stop] if isinstance(request.stop, str) else list(request.stop or [])
     options: dict[str, Any] = dict(
-        adapter=adapter, n=request.n, stop=stop, seed=request.seed, temperature=request.temperature,
+        adapter=adapter, n=request.n, stop=request.stops(), seed=request.seed, temperature=request.temperature,
         top_p=request.top_p, max_new_tokens=request.max_completion_tokens or request.max_tokens,
         logprobs=(request.top_logprobs or 0) if request.logprobs else None,
     )

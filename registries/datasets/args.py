@@ -39,6 +39,11 @@ class DataArguments:
     tool_format: str | None = None
     default_system: str | None = None
     enable_thinking: bool | None = True
+    # RayFactory's own: special-token spellings in user and tool text (a user typing <|im_end|>):
+    # false encodes them as the special tokens (LLaMA-Factory's behaviour, the data author is
+    # trusted), true as plain text. null: false for training data, true for inference requests
+    # (chat, serve, the web UI), whose callers are not trusted.
+    escape_special_tokens: bool | None = None
     tokenized_path: str | None = None
     overwrite_cache: bool = False
     # Each train worker reads its own share of the training data as it trains, instead of holding
@@ -56,7 +61,7 @@ class DataArguments:
         self.eval_dataset = _name_list("eval_dataset", self.eval_dataset)
         for name in ("train_on_prompt", "mask_history", "neat_packing", "overwrite_cache", "skip_bad_rows", "streaming"):
             _check_bool(name, getattr(self, name))
-        for name in ("packing", "enable_thinking", "padding_free"):
+        for name in ("packing", "enable_thinking", "padding_free", "escape_special_tokens"):
             if getattr(self, name) is not None:
                 _check_bool(name, getattr(self, name))
         for name in ("template", "tool_format", "default_system", "tokenized_path"):

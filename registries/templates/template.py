@@ -16,7 +16,7 @@ import re
 from dataclasses import dataclass, field
 
 from .formatters import FunctionFormatter, StringFormatter, ToolFormatter
-from .slots import EOS, Slot, slots_to_ids, slots_to_text
+from .slots import EOS, CallerText, Slot, join_text, slots_to_ids, slots_to_text
 
 ROLES = ("user", "assistant", "function", "observation")
 PROMPT_ROLES = ("user", "observation")
@@ -38,6 +38,10 @@ class Template:
     # Reasoning families: the pair that wraps a thought, e.g. ("<think>\n", "\n</think>\n\n").
     thought_words: tuple[str, str] | None = None
     enable_thinking: bool = True
+    # User and tool (observation) text whose spelling of a special token (``<|im_end|>``) is encoded
+    # as plain text, so a caller cannot close its turn and open another. False is LLaMA-Factory's
+    # behaviour (the data author is trusted); inference sets it for requests (stages/loading.py).
+    escape_special_tokens: bool = False
     efficient_eos: bool = False  # the eos is appended once by the tokenizer step, not per turn
     replace_eos: bool = False  # the first stop word becomes the tokenizer's eos
     system_in_first_user: bool = False  # llama2 / mistral / gemma fold the system into turn 0
@@ -78,12 +82,14 @@ class Template:
         for i, message in enumerate(messages):
             slots: list[Slot] = []
             role, content = message["role"], message["content"]
+            if self.escape_special_tokens and role in PROMPT_ROLES:
+                content = CallerText(content)
             if i == 0:
                 slots += list(self.format_prefix)
                 if system or tool_text:
                     system_slots = self.format_system.apply(system + tool_text)
                     if self.system_in_first_user:
-                        content = slots_to_text(None, system_slots) + content
+                        content = join_text(slots_to_text(None, system_slots), content)
                     else:
                         slots += system_slots
             if role == "user":

@@ -67,7 +67,8 @@ def parse_tools(content: str) -> list[dict[str, Any]]:
     if not isinstance(tools, list):
         raise ValueError(f"Tools must be a JSON list of function schemas, got {content[:80]!r}.")
     for i, tool in enumerate(tools):
-        if not isinstance(tool, dict) or not isinstance(_function_schema(tool).get("name"), str):
+        schema = _function_schema(tool) if isinstance(tool, dict) else None
+        if not isinstance(schema, dict) or not isinstance(schema.get("name"), str):
             raise ValueError(
                 f"Tool {i} has no 'name': each tool must be a function schema like "
                 f'{{"name": ..., "description": ..., "parameters": {{...}}}} or '

@@ -110,16 +110,27 @@ class ChatModel:
 
     # --- async API (servers) ---------------------------------------------------------------
 
+    async def arequest(self, messages, system=None, tools=None, **options) -> GenerationRequest:
+        """``request`` off the event loop: tokenizing a long prompt there would hold every other
+        request the server is answering (and its health check)."""
+        return await asyncio.to_thread(self.request, messages, system, tools, **options)
+
     async def agenerate(self, messages, system=None, tools=None, **options) -> list[Response]:
         """Every reply whole: ``n`` of them, text cut at the first stop string, tool calls parsed."""
-        request = self.request(messages, system, tools, **options)
+        return await self.generate_request(await self.arequest(messages, system, tools, **options), tools)
+
+    async def astream(self, messages, system=None, tools=None, **options) -> AsyncIterator[ChatDelta]:
+        async for delta in self.stream_request(await self.arequest(messages, system, tools, **options)):
+            yield delta
+
+    async def generate_request(self, request: GenerationRequest, tools=None) -> list[Response]:
+        """The whole replies to a request built by ``arequest`` (tools: to parse the replies' calls)."""
         replies = {i: _Reply(self, request, i) for i in range(request.n)}
-        async for delta in self._deltas(request, replies):
+        async for _ in self._deltas(request, replies):
             pass
         return [replies[i].response(tools) for i in range(request.n)]
 
-    async def astream(self, messages, system=None, tools=None, **options) -> AsyncIterator[ChatDelta]:
-        request = self.request(messages, system, tools, **options)
+    async def stream_request(self, request: GenerationRequest) -> AsyncIterator[ChatDelta]:
         replies = {i: _Reply(self, request, i) for i in range(request.n)}
         async for delta in self._deltas(request, replies):
             yield delta
@@ -128,7 +139,8 @@ class ChatModel:
         stream = self.engine.stream(request)
         try:
             async for step in stream:
-                delta = replies[step.index].add(step)
+                # Decoding and stop-string scanning in a thread: the event loop stays free for other requests.
+                delta = await asyncio.to_thread(replies[step.index].add, step)
                 if delta is not None:
                     yield delta
                 if all(r.finish_reason for r in replies.values()):

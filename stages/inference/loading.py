@@ -78,7 +78,7 @@ def load_tokenizer_and_template(spec: InferenceSpec):
     if name in (None, AUTO):
         name = saved_template_name(folder) or name
     source = replace(spec.model, model_name_or_path=folder) if has_tokenizer else spec.model
-    return training_tokenizer_and_template(source, replace(spec.data, template=name))
+    return training_tokenizer_and_template(source, replace(spec.data, template=name), for_requests=True)
 
 
 def load_hf_model(spec: InferenceSpec, tokenizer):

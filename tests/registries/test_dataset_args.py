@@ -13,7 +13,7 @@ def test_defaults_match_llamafactory():
         "max_samples": None, "val_size": 0.0, "packing": None, "neat_packing": False, "tool_format": None,
         "default_system": None, "enable_thinking": True, "tokenized_path": None, "overwrite_cache": False,
         "skip_bad_rows": False, "streaming": False, "buffer_size": 16384, "padding_free": None,
-        "preprocessing_engine": "auto",
+        "preprocessing_engine": "auto", "escape_special_tokens": None,
     }
 
 
