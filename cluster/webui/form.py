@@ -8,6 +8,7 @@ user did not touch. Validation is the CLI's own: ``load_config`` of that dict, a
 
 from __future__ import annotations
 
+import math
 import os
 import re
 import shlex
@@ -209,7 +210,10 @@ def write_yaml(path: str, config: dict[str, Any]) -> None:
     """``to_yaml`` into ``path``, whole or not at all (a file being replaced is never left half-written)."""
     os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
     partial = f"{path}.partial"
-    with open(partial, "w", encoding="utf-8") as f:
+    if os.path.islink(partial):  # never write through a link left in the way
+        os.remove(partial)
+    with open(os.open(partial, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | getattr(os, "O_NOFOLLOW", 0), 0o644),
+              "w", encoding="utf-8") as f:
         f.write(to_yaml(config))
     os.replace(partial, path)
 
@@ -219,18 +223,43 @@ def _dump(key: str, value: Any) -> str:
 
 
 def parse_yaml(text: str) -> dict[str, Any]:
-    """A YAML file's config dict, read by the CLI's own reader (duplicate keys refused, and so on)."""
+    """A YAML file's config dict, read by the CLI's own reader (duplicate keys refused, and so on).
+    The page's YAML holds plain data only: no anchors or aliases (one alias can stand for millions of
+    values) and nothing JSON cannot carry back to the page."""
     from ..config import _load_yaml
 
     try:
+        if any(isinstance(t, (yaml.AnchorToken, yaml.AliasToken)) for t in yaml.scan(text)):
+            raise UserError("the YAML uses anchors or aliases (&name, *name); the web UI takes plain YAML: "
+                            "write the values out.")
         config = _load_yaml(text)
+        _check_plain(config, "")
     except yaml.YAMLError as exc:
         raise UserError(f"the YAML does not parse: {exc}") from None
+    except RecursionError:
+        raise UserError("the YAML is nested too deeply.") from None
     if config is None:
         return {}
     if not isinstance(config, dict):
         raise UserError(f"a config is a mapping of keys to values; this YAML holds a {type(config).__name__}.")
     return config
+
+
+def _check_plain(value: Any, where: str) -> None:
+    """Refuse what JSON cannot carry: dates, binary, sets, non-string keys, NaN and infinities."""
+    if isinstance(value, dict):
+        for key, item in value.items():
+            if not isinstance(key, str):
+                raise UserError(f"the YAML key {key!r} {where and f'under {where} '}is not a name; quote it.")
+            _check_plain(item, f"{where}.{key}" if where else key)
+    elif isinstance(value, list):
+        for i, item in enumerate(value):
+            _check_plain(item, f"{where}[{i}]")
+    elif isinstance(value, float) and not math.isfinite(value):
+        raise UserError(f"{where or 'the YAML'}: {value} is not a number the web UI takes; give a finite one.")
+    elif not isinstance(value, (str, int, float, bool, type(None))):
+        raise UserError(f"{where or 'the YAML'} holds a {type(value).__name__} ({value!r:.60}); the web UI takes "
+                        f"strings, numbers, booleans, lists and mappings: quote it.")
 
 
 def command_line(config_path: str, job_address: str | None = None) -> str:

@@ -25,6 +25,7 @@ from registries.errors import UserError
 from ..local_head import Head, start_head
 from ..submit import REPO_ROOT, config_argument, runtime_env
 from .form import write_yaml
+from .paths import check_config
 
 HEAD_FILE = "ray-head.json"
 LOG_TAIL_CHARS = 6000
@@ -48,6 +49,11 @@ class Runs:
         self._clients: dict[str, Any] = {}
         os.makedirs(os.path.join(self.share_dir, "runs"), exist_ok=True)
         os.makedirs(os.path.join(self.share_dir, "configs"), exist_ok=True)
+
+    @property
+    def roots(self) -> tuple[str, str]:
+        """The folders a request's paths may name (cluster/webui/paths.py)."""
+        return self.cwd, self.share_dir
 
     # --- the cluster --------------------------------------------------------------------
 
@@ -88,6 +94,7 @@ class Runs:
         return os.path.join(self.share_dir, "configs", f"{name}.yaml")
 
     def start(self, config: dict[str, Any]) -> Run:
+        check_config(config, self.roots)  # a resumed config too: its output_dir and data stay in the UI's folders
         path = self.config_path(config)
         write_yaml(path, config)
         address = self.address()

@@ -9,38 +9,52 @@ server binds to 127.0.0.1 unless told otherwise; anywhere else it wants an acces
 from __future__ import annotations
 
 import argparse
-import hmac
+import json
+import math
 import os
 import threading
+from collections.abc import Iterable
 from dataclasses import asdict
 from typing import Any
 
-from registries.errors import UserError, find_user_error
+from starlette.requests import Request
+
+from registries.errors import ArgumentError, UserError, find_user_error
 
 from . import form
+from . import guard
+from .guard import LOOPBACK, TOKEN_HEADER, WILDCARDS  # noqa: F401 (TOKEN_HEADER: the page's header, by its old address)
+from .paths import check_config, confine
+from .preview import SHOWN_ROWS
 from .runs import Runs
 
 STATIC_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "static")
-TOKEN_HEADER = "x-rayfactory-token"
-LOOPBACK = ("127.0.0.1", "localhost", "::1")
 
 
-def create_app(share_dir: str, token: str | None = None, job_address: str | None = None, cwd: str | None = None):
-    from fastapi import Body, FastAPI, Request
+def create_app(share_dir: str, token: str | None = None, job_address: str | None = None, cwd: str | None = None,
+               host: str = "127.0.0.1", allowed_hosts: Iterable[str] = ()):
+    """The app. ``host`` is the address the server binds: besides the loopback names, the Host header
+    may name it (and any of ``allowed_hosts``); a browser's Origin must be one of those too."""
+    from fastapi import Depends, FastAPI
     from fastapi.responses import FileResponse, JSONResponse, StreamingResponse
     from fastapi.staticfiles import StaticFiles
 
-    app = FastAPI(title="RayFactory", docs_url=None, redoc_url=None)
+    app = FastAPI(title="RayFactory", docs_url=None, redoc_url=None, openapi_url=None)
     runs = Runs(share_dir, job_address, cwd)
+    roots = runs.roots
+    hosts = guard.allowed_hosts(host, allowed_hosts)
     chats = _ChatCache()
 
     @app.middleware("http")
-    async def check_token(request: Request, call_next):
-        if token and request.url.path.startswith("/api/"):
-            given = request.headers.get(TOKEN_HEADER, "")
-            if not hmac.compare_digest(given, token):
-                return JSONResponse({"error": "missing or wrong access token (open the page with ?token=...)."},
-                                    status_code=401)
+    async def check_caller(request: Request, call_next):
+        """Every route: the Host and Origin a browser sends (DNS rebinding, other sites' pages), then
+        the token for the API."""
+        refusal = guard.refused_host(request.headers, hosts)
+        if refusal:
+            return JSONResponse({"error": refusal}, status_code=403)
+        if token and request.url.path.startswith("/api/") and not guard.token_matches(request.scope, token):
+            return JSONResponse({"error": "missing or wrong access token (open the page with ?token=...)."},
+                                status_code=401)
         return await call_next(request)
 
     @app.exception_handler(UserError)
@@ -53,6 +67,8 @@ def create_app(share_dir: str, token: str | None = None, job_address: str | None
         if mistake is not None:  # the user's: the CLI's paragraph, no traceback
             return JSONResponse({"error": str(mistake)}, status_code=400)
         return JSONResponse({"error": f"{type(exc).__name__}: {exc}"}, status_code=500)
+
+    Json = Depends(_json_object)
 
     @app.get("/")
     def index():
@@ -69,52 +85,66 @@ def create_app(share_dir: str, token: str | None = None, job_address: str | None
     def datasets(dataset_dir: str = "data"):
         from registries.datasets.info import load_dataset_info
 
-        return {"datasets": sorted(load_dataset_info(os.path.join(runs.cwd, dataset_dir)))}
+        return {"datasets": sorted(load_dataset_info(confine(dataset_dir, roots, "dataset_dir")))}
 
     @app.post("/api/config")
-    def config(body: dict = Body(...)):
+    def config(body: dict = Json):
         """The YAML and command of the form as it is now, and the CLI's error if it would refuse it."""
+        values, text = _form_parts(body)
         try:
-            cfg = _form_config(body)
+            cfg = form.config_from_form(values, form.parse_yaml(text))
         except UserError as exc:  # the "more keys" box does not parse
             return {"config": None, "yaml": "", "config_path": "", "command": "",
                     "error": {"key": "extra", "message": str(exc)}}
         path = runs.config_path(cfg)
+        try:  # a path outside the UI's folders is shown like any other config error
+            error = form.validate(check_config(cfg, roots))
+        except ArgumentError as exc:
+            error = {"key": exc.key if exc.key in form.FIELD_BY_KEY else "extra", "message": str(exc)}
         return {"config": cfg, "yaml": form.to_yaml(cfg), "config_path": path,
-                "command": form.command_line(path, job_address), "error": form.validate(cfg)}
+                "command": form.command_line(path, job_address), "error": error}
 
     @app.post("/api/yaml/load")
-    def load_yaml(body: dict = Body(...)):
-        text = body.get("text")
+    def load_yaml(body: dict = Json):
+        text = _text(body, "text", None, limit=MAX_YAML_CHARS)
         if text is None:
-            path = _inside(runs.cwd, body.get("path", ""))
+            path = _yaml_path(confine(body.get("path"), roots, "path"))
             try:
+                if not os.path.isfile(path):  # a folder or a pipe is not read (nor waited on)
+                    raise FileNotFoundError(2, "no such file")
+                if os.path.getsize(path) > MAX_YAML_CHARS:
+                    raise OSError(27, f"larger than {MAX_YAML_CHARS} bytes")
                 with open(path, encoding="utf-8") as f:
                     text = f.read()
-            except OSError as exc:
-                raise UserError(f"cannot read the YAML {path}: {exc.strerror}. Check the path (relative paths "
-                                f"start at {runs.cwd}).") from None
+            except (OSError, UnicodeDecodeError) as exc:
+                raise UserError(f"cannot read the YAML {path}: {getattr(exc, 'strerror', None) or exc}. Check the "
+                                f"path (relative paths start at {runs.cwd}).") from None
         values, extra = form.form_from_config(form.parse_yaml(text))
         return {"values": values, "extra_text": form.extra_text(extra)}
 
     @app.post("/api/yaml/save")
-    def save_yaml(body: dict = Body(...)):
+    def save_yaml(body: dict = Json):
         cfg = _form_config(body)
-        path = _inside(runs.cwd, body.get("path") or runs.config_path(cfg))
+        check_config(cfg, roots)
+        path = _yaml_path(confine(_text(body, "path", "") or runs.config_path(cfg), roots, "path"))
         form.write_yaml(path, cfg)
         return {"path": path}
 
     @app.post("/api/preview")
-    def preview(body: dict = Body(...)):
+    def preview(body: dict = Json):
         from .preview import preview as data_preview
 
-        cfg = _form_config(body)
-        return data_preview(cfg, body["dataset"], int(body.get("rows", 3)))
+        cfg = check_config(_form_config(body), roots)
+        dataset = _text(body, "dataset", "")
+        if not dataset:
+            raise UserError("dataset: choose the dataset to preview.")
+        rows = _number(body, "rows", 1, MAX_PREVIEW_ROWS, integer=True)
+        return data_preview(cfg, dataset, SHOWN_ROWS if rows is None else rows)
 
     @app.post("/api/runs")
-    def start(body: dict = Body(...)):
+    def start(body: dict = Json):
         cfg = _form_config(body)
-        error = form.validate(cfg)
+        error = form.validate(check_config(cfg, roots))
         if error:
             return JSONResponse({"error": error["message"], "key": error["key"]}, status_code=400)
         return {"job_id": runs.start(cfg).job_id}
@@ -136,40 +166,162 @@ def create_app(share_dir: str, token: str | None = None, job_address: str | None
         return {"job_id": runs.resume(job_id).job_id}
 
     @app.post("/api/chat")
-    def chat(body: dict = Body(...)):
-        model = chats.get(_model_keys(body, runs.cwd))
-        settings = {k: _number(body.get(k)) for k in ("temperature", "max_new_tokens", "top_p")}
-        pieces = model.stream_chat(body.get("messages") or [], body.get("system") or None, **settings)
-        return StreamingResponse(pieces, media_type="text/plain; charset=utf-8")
+    def chat(body: dict = Json):
+        settings = {key: _number(body, key, low, high, integer=key == "max_new_tokens")
+                    for key, (low, high) in CHAT_SETTINGS.items()}
+        messages = _messages(body)
+        system = _text(body, "system", "") or None
+        model = chats.get(_model_keys(body, roots))
+        pieces = model.stream_chat(messages, system, **settings)
+        first = next(pieces, None)  # a mistake in the request is a 400 now, not an error inside a 200 stream
+
+        def reply():
+            if first is not None:
+                yield first
+            yield from pieces
+
+        return StreamingResponse(reply(), media_type="text/plain; charset=utf-8")
 
     @app.post("/api/export")
-    def export(body: dict = Body(...)):
-        return _export(runs.cwd, body)
+    def export(body: dict = Json):
+        return _export(roots, body)
 
     return app
 
 
+# --- requests: what a body must hold -----------------------------------------------------------
+
+MAX_YAML_CHARS = 1_000_000
+MAX_PREVIEW_ROWS = 50
+MAX_MESSAGES = 500
+CHAT_SETTINGS = {"temperature": (0.0, 10.0), "top_p": (0.0, 1.0), "max_new_tokens": (1, 32768)}
+SCALARS = (str, int, float, bool, type(None))
+
+
+async def _json_object(request: Request) -> dict[str, Any]:
+    """A request's body: a JSON object, else a 400 that says what came instead."""
+    try:
+        body = json.loads(await request.body())
+    except (ValueError, RecursionError):  # not JSON, not UTF-8, or nested past reason
+        raise UserError("the request body must be a JSON object; this one is not JSON.") from None
+    if not isinstance(body, dict):
+        raise UserError(f"the request body must be a JSON object, not a JSON {_json_kind(body)}.")
+    return body
+
+
+def _json_kind(value: Any) -> str:
+    return {dict: "object", list: "array", str: "string", bool: "boolean", type(None): "null"}.get(
+        type(value), "number")
+
+
+def _text(body: dict[str, Any], key: str, default: Any, limit: int = 100_000) -> Any:
+    """``body[key]``: a string (at most ``limit`` characters), or ``default`` when absent or null."""
+    value = body.get(key)
+    if value is None:
+        return default
+    if not isinstance(value, str):
+        raise ArgumentError(key, f"{key} must be a string, not a JSON {_json_kind(value)}.")
+    if len(value) > limit:
+        raise ArgumentError(key, f"{key} is longer than {limit} characters.")
+    return value
+
+
+def _number(body: dict[str, Any], key: str, low: float, high: float, integer: bool = False) -> Any:
+    """``body[key]`` as a number in [low, high] (a numeric string counts: the page sends its inputs'
+    text), or None when absent or blank."""
+    value = body.get(key)
+    if value is None or (isinstance(value, str) and not value.strip()):
+        return None
+    kind = "an integer" if integer else "a number"
+    number = None
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        number = value
+    elif isinstance(value, str) and len(value) < 40:
+        try:
+            number = float(value)
+        except ValueError:
+            pass
+    if number is None or (isinstance(number, float) and not math.isfinite(number)) or (
+            integer and number != int(number)):
+        raise ArgumentError(key, f"{key} must be {kind} from {low} to {high}, not {value!r:.60}.")
+    if not low <= number <= high:
+        raise ArgumentError(key, f"{key} must be {kind} from {low} to {high}, not {number}.")
+    return int(number) if integer else float(number)
+
+
+def _form_parts(body: dict[str, Any]) -> tuple[dict[str, Any], str]:
+    """(form values, the "more keys" YAML text) of a Train-tab request, shapes checked."""
+    values = body.get("values")
+    if values is None:
+        values = {}
+    if not isinstance(values, dict):
+        raise ArgumentError("values", f"values must be a JSON object of form fields, not a JSON {_json_kind(values)}.")
+    for key, value in values.items():
+        f = form.FIELD_BY_KEY.get(key)
+        if f is None:
+            continue  # not a field: config_from_form never reads it
+        listed = f.kind == "datasets" and isinstance(value, list) and all(isinstance(v, str) for v in value)
+        if not (listed or isinstance(value, SCALARS)):
+            raise ArgumentError(key, f"values.{key} must be a string, a number or a boolean"
+                                     f"{' (or a list of names)' if f.kind == 'datasets' else ''}, "
+                                     f"not a JSON {_json_kind(value)}.")
+        if isinstance(value, float) and not math.isfinite(value):
+            raise ArgumentError(key, f"values.{key} must be a finite number, not {value}.")
+    return values, _text(body, "extra_text", "", limit=MAX_YAML_CHARS)
+
+
 def _form_config(body: dict[str, Any]) -> dict[str, Any]:
     """The config of a request from the page: its form values and its "more keys" YAML box."""
-    extra = form.parse_yaml(body.get("extra_text") or "")
-    return form.config_from_form(body.get("values") or {}, extra)
+    values, text = _form_parts(body)
+    return form.config_from_form(values, form.parse_yaml(text))
 
 
-def _model_keys(body: dict[str, Any], cwd: str) -> dict[str, Any]:
-    """The model keys the Chat or Export tab sends; a folder under the UI's folder by its full path
-    (``saves/run`` would otherwise read as a hub id, as in LLaMA-Factory's org/name)."""
-    keys = {k: str(body.get(k) or "").strip() for k in ("model_name_or_path", "adapter_name_or_path", "template")}
-    for key in ("model_name_or_path", "adapter_name_or_path"):
-        if keys[key] and os.path.isdir(os.path.join(cwd, keys[key])):
-            keys[key] = os.path.join(cwd, keys[key])
-    return {k: v for k, v in keys.items() if v}
+def _yaml_path(path: str) -> str:
+    if not path.endswith((".yaml", ".yml")):
+        raise UserError(f"{path} is not a .yaml or .yml file; the web UI reads and writes only those.")
+    return path
 
 
-def _number(value: Any) -> Any:
-    if value in (None, ""):
-        return None
-    number = float(value)
-    return int(number) if number.is_integer() and not isinstance(value, float) else number
+def _messages(body: dict[str, Any]) -> list[dict[str, str]]:
+    from registries.templates.template import ROLES
+
+    messages = body.get("messages")
+    shape = "a non-empty list of {role, content} turns (strings) ending on a user turn"
+    if not isinstance(messages, list) or not 0 < len(messages) <= MAX_MESSAGES:
+        raise ArgumentError("messages", f"messages must be {shape}, at most {MAX_MESSAGES}.")
+    for i, m in enumerate(messages):
+        if not (isinstance(m, dict) and isinstance(m.get("content"), str) and m.get("role") in ROLES):
+            raise ArgumentError("messages", f"messages[{i}] must be {{role, content}} with a role of "
+                                            f"{', '.join(ROLES)} and the content a string.")
+    return [{"role": m["role"], "content": m["content"]} for m in messages]
+
+
+def _model_keys(body: dict[str, Any], roots: tuple[str, ...]) -> dict[str, Any]:
+    """The model keys the Chat or Export tab sends. A local path must lie in the UI's folders and is
+    passed on resolved (``saves/run`` would otherwise read as a hub id, as in LLaMA-Factory's org/name);
+    a hub id or tiny:/demo: id as it is."""
+    keys = {k: _text(body, k, "", limit=4096).strip() for k in ("model_name_or_path", "adapter_name_or_path",
+                                                              "template")}
+    return check_config({k: v for k, v in keys.items() if v}, roots)
+
+
+def _export(roots: tuple[str, ...], body: dict[str, Any]) -> dict[str, Any]:
+    from stages.inference.export import check_export_request, export_model
+
+    from ..config import load_config
+    from ..driver import check_local_paths
+
+    keys = _model_keys(body, roots)
+    keys["export_dir"] = confine(_text(body, "export_dir", ""), roots, "export_dir")
+    size = _number(body, "export_size", 0.001, 1000.0)
+    if size is not None:
+        keys["export_size"] = size
+    cfg = load_config(keys, purpose="infer")
+    check_local_paths(cfg)
+    spec = cfg.inference_spec()
+    check_export_request(spec, cfg.export)
+    files = export_model(spec, cfg.export, log=lambda *_: None)
+    return {"export_dir": cfg.export.export_dir, "files": files}
 
 
 class _ChatCache:
@@ -198,30 +350,6 @@ class _ChatCache:
             return self.model
 
 
-def _export(cwd: str, body: dict[str, Any]) -> dict[str, Any]:
-    from stages.inference.export import check_export_request, export_model
-
-    from ..config import load_config
-    from ..driver import check_local_paths
-
-    keys = _model_keys(body, cwd)
-    keys["export_dir"] = _inside(cwd, str(body.get("export_dir") or ""))
-    if body.get("export_size"):
-        keys["export_size"] = float(body["export_size"])
-    cfg = load_config(keys, purpose="infer")
-    check_local_paths(cfg)
-    spec = cfg.inference_spec()
-    check_export_request(spec, cfg.export)
-    files = export_model(spec, cfg.export, log=lambda *_: None)
-    return {"export_dir": cfg.export.export_dir, "files": files}
-
-
-def _inside(cwd: str, path: str) -> str:
-    if not path:
-        raise UserError("a path is needed here (relative paths are taken from the folder the web UI runs in).")
-    return os.path.normpath(os.path.join(cwd, os.path.expanduser(path)))
-
-
 def add_webui_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     parser.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback only)")
     parser.add_argument("--port", type=int, default=7860)
@@ -232,6 +360,9 @@ def add_webui_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
                              "default $RAYFACTORY_WEBUI_TOKEN")
     parser.add_argument("--address", default=None,
                         help="a Ray cluster's dashboard URL to run jobs on (default: a local Ray this UI starts)")
+    parser.add_argument("--allow-host", action="append", default=[], metavar="NAME",
+                        help="another host name the browser may use for the UI (repeatable; loopback names and "
+                             "--host are always allowed)")
     return parser
 
 
@@ -244,9 +375,12 @@ def run_webui(args: argparse.Namespace) -> int:
             "read files. Set an access token (--token or RAYFACTORY_WEBUI_TOKEN) and open the page with "
             "?token=<it>, or keep the default --host 127.0.0.1 (and forward the port: ssh -L 7860:localhost:7860)."
         )
-    app = create_app(args.share_dir, args.token, args.address)
+    app = create_app(args.share_dir, args.token, args.address, host=args.host, allowed_hosts=args.allow_host)
     suffix = f"/?token={args.token}" if args.token else "/"
     print(f"rayfactory webui: http://{args.host}:{args.port}{suffix}  (Ctrl-C stops the UI; started runs go on)",
           flush=True)
+    if args.host in WILDCARDS and not args.allow_host:
+        print("rayfactory webui: browsers must reach it by a loopback name, or by a name given with --allow-host",
+              flush=True)
     uvicorn.run(app, host=args.host, port=args.port, log_level="warning")
     return 0

@@ -33,8 +33,10 @@ def _in_ci() -> bool:
 
 @pytest.fixture(scope="session")
 def webui(tmp_path_factory):
-    """(url, share_dir, cwd) of a running `rayfactory webui`; its Ray head is stopped at the end."""
+    """(url, share_dir, cwd) of a running `rayfactory webui`; its Ray head is stopped at the end.
+    The UI reads and writes only inside its folder, so the repo's data/ is copied there."""
     cwd = tmp_path_factory.mktemp("webui-cwd")
+    shutil.copytree(os.path.join(REPO_ROOT, "data"), cwd / "data")
     share = cwd / "share"
     port = free_port()
     env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_")}

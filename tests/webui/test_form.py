@@ -129,7 +129,8 @@ def test_api_wants_the_token_and_answers_user_errors_with_the_paragraph(tmp_path
 
     from cluster.webui.server import TOKEN_HEADER, create_app
 
-    client = TestClient(create_app(str(tmp_path / "share"), token="s3cret", cwd=REPO_ROOT))
+    client = TestClient(create_app(str(tmp_path / "share"), token="s3cret", cwd=REPO_ROOT),
+                        base_url="http://127.0.0.1:7860")  # a Host the UI answers to
     assert client.get("/api/spec").status_code == 401
     assert client.get("/").status_code == 200  # the page itself; it sends the token from ?token=
     headers = {TOKEN_HEADER: "s3cret"}
@@ -151,7 +152,7 @@ def test_chat_and_export_mistakes_come_back_as_the_clis_paragraphs(tmp_path):
 
     from cluster.webui.server import create_app
 
-    client = TestClient(create_app(str(tmp_path / "share"), cwd=str(tmp_path)))
+    client = TestClient(create_app(str(tmp_path / "share"), cwd=str(tmp_path)), base_url="http://127.0.0.1:7860")
     chat = client.post("/api/chat", json={"model_name_or_path": "tiny:qwen2", "adapter_name_or_path": "./saves/none",
                                           "messages": [{"role": "user", "content": "hi"}]})
     assert chat.status_code == 400 and "saves/none" in chat.json()["error"], chat.text

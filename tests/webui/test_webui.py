@@ -18,6 +18,7 @@ from cluster.webui.form import parse_yaml
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 DATA_DIR = os.path.join(REPO_ROOT, "data")
+UI_DATA_DIR = "data"  # the UI reads only inside its folder: the webui fixture puts a copy of DATA_DIR there
 UI_TIMEOUT_S = 60
 RUN_TIMEOUT_S = 420
 
@@ -69,7 +70,7 @@ def settle(browser):
 def fill_tiny_sft(browser, output_dir, **changes):
     form = {
         "model_name_or_path": "tiny:qwen2", "template": "qwen", "stage": "sft", "finetuning_type": "lora",
-        "lora_rank": 16, "additional_target": "embed_tokens,lm_head", "dataset_dir": DATA_DIR,
+        "lora_rank": 16, "additional_target": "embed_tokens,lm_head", "dataset_dir": UI_DATA_DIR,
         "dataset": ["arith_train"], "cutoff_len": 64, "output_dir": output_dir, "logging_steps": 2,
         "save_steps": 10, "per_device_train_batch_size": 16, "learning_rate": "5e-3", "max_steps": 30,
         "warmup_steps": 2,
@@ -91,7 +92,7 @@ def test_form_yaml_round_trips_through_the_cli_parser(webui, browser):
     expected = {
         "model_name_or_path": "tiny:qwen2", "template": "qwen", "do_train": True, "stage": "sft",
         "finetuning_type": "lora", "lora_rank": 16, "additional_target": "embed_tokens,lm_head",
-        "dataset_dir": DATA_DIR, "dataset": "arith_train", "cutoff_len": 64, "output_dir": "saves/form-check",
+        "dataset_dir": UI_DATA_DIR, "dataset": "arith_train", "cutoff_len": 64, "output_dir": "saves/form-check",
         "logging_steps": 2, "save_steps": 10, "per_device_train_batch_size": 16, "learning_rate": 5e-3,
         "max_steps": 30, "warmup_steps": 2, "save_total_limit": 2,
     }
