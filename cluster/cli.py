@@ -166,6 +166,12 @@ def _train(args: argparse.Namespace) -> int:
         config = load_config(args.config, args.overrides)  # parse first: a typo fails before Ray starts
         from .console import Console
         from .driver import run_exp
+        from .finished_run import finished_run
+
+        finished = finished_run(config)  # before the console appends to the run's log: nothing is touched
+        if finished is not None:
+            print(f"rayfactory: {finished}")
+            return 0
 
         # The start-up line counts from the command's start, as a user's stopwatch would: Python,
         # the imports and reading the config take seconds of their own before the driver runs.

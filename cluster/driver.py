@@ -11,6 +11,7 @@ from typing import Any, Iterable, Optional
 
 from .config import ConfigError, RunConfig, load_config
 from .console import Console
+from .finished_run import finished_run
 from .output_checks import check_output_dirs
 
 logger = logging.getLogger(__name__)
@@ -45,6 +46,10 @@ def run_exp(
 
     output_dir = cfg.training.output_dir
     do_train, do_predict = _planned_work(cfg)
+    finished = finished_run(cfg)
+    if finished is not None:  # before anything is written: the outputs stay as they were
+        console.say(f"rayfactory: {finished}")
+        return RunResult(os.path.abspath(output_dir), {}, None, {"finished": True})
 
     # Mistakes that need no cluster fail before Ray starts: model path, template, datasets.
     # Model facts are resolved once, here: the driver tokenizes (through Ray Data) with this

@@ -32,6 +32,7 @@ CHECKPOINT_PREFIX = "checkpoint-"
 MANIFEST_NAME = "rayfactory_checkpoint.json"  # written last, by rename: its presence commits the folder
 MANIFEST_FORMAT = 1
 TRAINER_STATE_FILE = "trainer_state.json"  # transformers' TRAINER_STATE_NAME, the file the HF Trainer writes last
+RL_STATE_FILE = "rl_state.json"  # the RL stages' controller state, written last (stages/rl/checkpoint.py)
 _CHECKPOINT_NAME = re.compile(re.escape(CHECKPOINT_PREFIX) + r"(\d+)")
 _TEMPORARY_SUFFIX = ".tmp"
 
@@ -150,6 +151,20 @@ def latest_committed(output_dir: str) -> str | None:
             return path
         logger.warning("resume_from_checkpoint auto: skipping %s: %s", path, reason)
     logger.info("resume_from_checkpoint auto: no committed checkpoint in %s; starting fresh", output_dir)
+    return None
+
+
+def checkpoint_progress(folder: str) -> tuple[int, int | None] | None:
+    """(the step a checkpoint was taken at, the total steps its run planned), from the state file
+    either kind of checkpoint carries (trainer_state.json: global_step, max_steps; rl_state.json:
+    global_step, total_steps); None for a folder with neither."""
+    for name, total_key in ((TRAINER_STATE_FILE, "max_steps"), (RL_STATE_FILE, "total_steps")):
+        path = os.path.join(folder, name)
+        if os.path.isfile(path):
+            with open(path, encoding="utf-8") as f:
+                state = json.load(f)
+            total = state.get(total_key)
+            return int(state.get("global_step", 0)), int(total) if total else None
     return None
 
 

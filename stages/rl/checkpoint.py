@@ -32,6 +32,7 @@ from registries.errors import UserError
 from ..callbacks import LOG_FILE
 from ..checkpoint_files import (
     CHECKPOINT_PREFIX,
+    RL_STATE_FILE,
     checkpoint_folders,
     checkpoint_path,
     prune_checkpoints,
@@ -40,7 +41,7 @@ from ..checkpoint_files import (
 
 logger = logging.getLogger(__name__)
 
-STATE_FILE = "rl_state.json"  # the controller's state; written last: its presence marks a complete checkpoint
+STATE_FILE = RL_STATE_FILE  # the controller's state; written last: its presence marks a complete checkpoint
 
 TRAINABLE_FILE = "trainable.pt"
 OPTIMIZER_FILE = "optimizer.pt"

@@ -73,3 +73,28 @@ def tokenized_pairs(dataset: str, stage: str, tokenizer, template, dataset_dir: 
 
     data_args = DataArguments(dataset=dataset, dataset_dir=dataset_dir, cutoff_len=64, template="qwen")
     return STAGES[stage].tokenize_here(tokenizer, template, data_args)
+
+
+def output_files(output_dir) -> dict[str, str]:
+    """Every file under ``output_dir`` (relative path -> sha256 of its bytes)."""
+    import hashlib
+
+    files = {}
+    for root, _, names in os.walk(output_dir):
+        for name in names:
+            path = os.path.join(root, name)
+            with open(path, "rb") as f:
+                files[os.path.relpath(path, output_dir)] = hashlib.sha256(f.read()).hexdigest()
+    return files
+
+
+def assert_rerun_of_a_finished_run_trains_nothing(config: dict) -> None:
+    """``config``'s run has finished: rerun with resume_from_checkpoint: auto, it trains nothing,
+    says so, and every file in output_dir is as it was (no checkpoint-N+1, no log line, no result)."""
+    from cluster.driver import run_exp
+
+    before = output_files(config["output_dir"])
+    assert any(name.startswith("checkpoint-") for name in before), "the first run left no checkpoint"
+    result = run_exp({**config, "resume_from_checkpoint": "auto"})
+    assert result.data_stats == {"finished": True} and result.metrics == {} and result.checkpoint_path is None
+    assert output_files(config["output_dir"]) == before

@@ -26,7 +26,7 @@ from stages.args import ModelArguments
 from stages.callbacks import read_log
 from stages.loading import load_tokenizer_and_template, resolve_model_path
 from stages.preference import preference_accuracy
-from tests.e2e.conftest import REPO_ROOT, example_config, tokenized_pairs
+from tests.e2e.conftest import REPO_ROOT, assert_rerun_of_a_finished_run_trains_nothing, example_config, tokenized_pairs
 
 # Ray pickles the callbacks to the workers, which cannot import this test module by name.
 ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
@@ -149,6 +149,7 @@ def test_lora_dpo_keeps_one_model_and_resumes_from_its_checkpoint(ray_session, t
     config.pop("eval_dataset")
     first = run_exp(config, callbacks=[ParameterCensus(census_path)])
     out = first.output_dir
+    assert_rerun_of_a_finished_run_trains_nothing(config)
 
     counts = census(census_path)
     assert counts["alive"] == counts["policy"], counts  # base + adapter, nothing else

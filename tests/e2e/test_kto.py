@@ -22,7 +22,13 @@ from stages.args import ModelArguments
 from stages.callbacks import read_log
 from stages.loading import load_tokenizer_and_template, resolve_model_path
 from stages.preference import pairwise_logps, preference_accuracy
-from tests.e2e.conftest import DATA_DIR, example_config, own_lines, tokenized_pairs
+from tests.e2e.conftest import (
+    DATA_DIR,
+    assert_rerun_of_a_finished_run_trains_nothing,
+    example_config,
+    own_lines,
+    tokenized_pairs,
+)
 
 REWARD_KEYS = ("kl", "rewards/chosen", "rewards/rejected", "rewards/margins")
 
@@ -86,8 +92,10 @@ def test_pipeline_full_kto_with_an_sft_term_learns_on_a_random_init_model(ray_se
 def test_lora_kto_starts_at_its_reference_and_saves_an_adapter(ray_session, tmp_path):
     """At step 1 the LoRA policy (B = 0, modules_to_save untouched) equals its base, which is the
     reference: every reward and the KL estimate are exactly 0. Later steps move away from it."""
-    result = run_exp(example_config("kto_lora.yaml", tmp_path, max_steps=4, logging_steps=1))
+    config = example_config("kto_lora.yaml", tmp_path, max_steps=4, logging_steps=1)
+    result = run_exp(config)
     out = result.output_dir
+    assert_rerun_of_a_finished_run_trains_nothing(config)
 
     train = [r for r in read_log(out) if "loss" in r]
     assert [r["current_steps"] for r in train] == [1, 2, 3, 4]

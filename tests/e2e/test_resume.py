@@ -31,7 +31,7 @@ from cluster.driver import run_exp
 from fabric.launcher import default_run_name
 from stages.callbacks import LOG_FILE, read_log
 from stages.checkpoint_files import MANIFEST_NAME
-from tests.e2e.conftest import REPO_ROOT
+from tests.e2e.conftest import REPO_ROOT, output_files
 
 # Ray pickles the callbacks to the workers, which cannot import this test module by name.
 ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
@@ -171,6 +171,14 @@ def test_a_killed_driver_reruns_with_auto_from_the_newest_intact_checkpoint(ray_
     assert worst <= LOSS_TOL, f"final weights differ by up to {worst}"
     with open(os.path.join(out, "trainer_state.json"), encoding="utf-8") as f:
         assert json.load(f)["global_step"] == N
+
+    # B has finished: the same command again trains nothing, says so, and touches no file (its log included).
+    before = output_files(out)
+    again = subprocess.run([sys.executable, "-m", "cluster.cli", "train", config_path], cwd=REPO_ROOT,
+                           env=_clean_env(), capture_output=True, text=True, timeout=DRIVER_TIMEOUT_S)
+    assert again.returncode == 0, again.stderr[-4000:]
+    assert f"checkpoint-{N} is step {N} of {N}" in again.stdout and "nothing was trained" in again.stdout
+    assert output_files(out) == before
 
 
 def test_resume_from_missing_checkpoint_is_a_config_error(sft_config, tmp_path):

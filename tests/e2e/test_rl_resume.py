@@ -30,7 +30,7 @@ from safetensors.torch import load_file
 from cluster.driver import run_exp
 from stages.callbacks import read_log
 from stages.rl.checkpoint import STATE_FILE
-from tests.e2e.conftest import DATA_DIR, REPO_ROOT
+from tests.e2e.conftest import DATA_DIR, REPO_ROOT, assert_rerun_of_a_finished_run_trains_nothing
 
 PARAM_TOL = 1e-6
 # Set in the killed run's process only: its reward function stalls on this call, after writing the marker.
@@ -86,6 +86,7 @@ def _steps(output_dir) -> dict[int, dict]:
 
 def test_killed_ppo_run_resumes_exactly_from_the_latest_complete_checkpoint(ray_session, tmp_path):
     a = run_exp(ppo_config(tmp_path / "a"))
+    assert_rerun_of_a_finished_run_trains_nothing(ppo_config(tmp_path / "a"))
     a_steps = _steps(a.output_dir)
     assert sorted(a_steps) == [1, 2, 3, 4]
 
@@ -190,6 +191,7 @@ def test_grpo_resumed_from_a_named_checkpoint_repeats_the_unbroken_run(ray_sessi
                           **overrides)
 
     a = run_exp(grpo(tmp_path / "a"))
+    assert_rerun_of_a_finished_run_trains_nothing(grpo(tmp_path / "a"))
     b_dir = tmp_path / "b"
     shutil.copytree(tmp_path / "a" / "checkpoint-2", b_dir / "checkpoint-2")
     with open(tmp_path / "a" / "trainer_log.jsonl", encoding="utf-8") as f:  # what B had logged by step 2

@@ -23,7 +23,13 @@ from stages.callbacks import read_log
 from stages.collators import PairwiseCollator
 from stages.loading import load_tokenizer_and_template
 from stages.value_head import VALUE_HEAD_FILE, load_reward_model, reward_accuracy, score
-from tests.e2e.conftest import DATA_DIR, REPO_ROOT, example_config, tokenized_pairs
+from tests.e2e.conftest import (
+    DATA_DIR,
+    REPO_ROOT,
+    assert_rerun_of_a_finished_run_trains_nothing,
+    example_config,
+    tokenized_pairs,
+)
 
 # Ray pickles the callbacks to the workers, which cannot import this test module by name.
 ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
@@ -88,6 +94,13 @@ class ScoreAtTrainEnd(TrainerCallback):
 
 STEPS = 600
 RESUME_AT = 580  # a checkpoint 20 steps before the end, resumed from by a second run
+
+
+def test_a_finished_reward_model_run_reruns_without_training(ray_session, tmp_path):
+    config = example_config("rm_lora.yaml", tmp_path, max_steps=2, save_steps=2, logging_steps=1)
+    config.pop("eval_dataset", None)
+    run_exp(config)
+    assert_rerun_of_a_finished_run_trains_nothing(config)
 
 
 @pytest.mark.slow

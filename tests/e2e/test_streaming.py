@@ -24,7 +24,7 @@ from stages.loading import load_tokenizer_and_template
 from stages.args import ModelArguments
 from stages.table import STAGES
 
-from tests.e2e.conftest import DATA_DIR
+from tests.e2e.conftest import DATA_DIR, assert_rerun_of_a_finished_run_trains_nothing
 
 cloudpickle.register_pickle_by_value(sys.modules[__name__])
 
@@ -57,6 +57,7 @@ def test_each_worker_streams_its_own_share_and_the_model_learns(ray_session, sft
     config = sft_config(streaming=True, buffer_size=64, max_steps=MAX_STEPS, ray_num_workers=2,
                         per_device_train_batch_size=BATCH)
     result = run_exp(config, callbacks=[RecordStreamShare(str(tmp_path))])
+    assert_rerun_of_a_finished_run_trains_nothing(config)
 
     assert result.data_stats["train_examples"] is None  # never counted, so never run whole on the driver
     shares = []

@@ -1,0 +1,73 @@
+"""A rerun of a run that has already finished: it trains nothing and leaves the outputs as they are.
+
+``resume_from_checkpoint`` (``auto``, or a checkpoint folder) on an output_dir whose run reached
+its last step would otherwise resume at that step and train on: the HF Trainer takes one more
+step past ``max_steps`` and writes checkpoint-N+1, the RL loop evaluates and saves again. The
+check runs before anything is written (the run's log and saved config included), for every stage.
+
+When is the run finished: the checkpoint's step has reached ``max_steps`` when the config sets
+it; without ``max_steps``, the total the run planned (recorded in the checkpoint) when nothing
+that decides that total (epochs, data, batch sizes, workers) differs from the saved config.
+Raising ``max_steps`` or ``num_train_epochs`` trains on from the checkpoint, as before.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Optional
+
+import yaml
+
+from stages.checkpoint_files import checkpoint_progress, latest_committed
+
+# The keys that decide how many steps an epoch-counted run has: equal to the saved config's, the
+# checkpoint's recorded total is this config's too.
+PLAN_KEYS = ("num_train_epochs", "dataset", "max_samples", "val_size", "per_device_train_batch_size",
+             "gradient_accumulation_steps", "ray_num_workers", "rollout_batch_size")
+
+
+def finished_run(cfg) -> Optional[str]:
+    """One line saying the run in output_dir has already finished, or None when there is training to do."""
+    requested = cfg.training.values.get("resume_from_checkpoint")
+    output_dir = cfg.training.output_dir
+    if not requested or not cfg.training.values.get("do_train", True):  # prediction alone trains nothing anyway
+        return None
+    checkpoint = _resume_point(cfg, requested, output_dir)
+    progress = checkpoint_progress(checkpoint) if checkpoint else None
+    if progress is None:
+        return None
+    step, recorded_total = progress
+    max_steps = cfg.training.values.get("max_steps")
+    if max_steps is not None and max_steps > 0:
+        planned = max_steps
+    elif recorded_total is not None and _same_plan(cfg, output_dir):
+        planned = recorded_total
+    else:
+        return None
+    if step < planned:
+        return None
+    return (f"{output_dir} holds a finished run: {os.path.basename(checkpoint)} is step {step} of {planned}, so "
+            f"resume_from_checkpoint: {requested} leaves nothing to train; nothing was trained and the outputs are as "
+            "they were. Raise max_steps or num_train_epochs to train on, or choose another output_dir to start over.")
+
+
+def _resume_point(cfg, requested: str, output_dir: str) -> Optional[str]:
+    if requested != "auto":
+        return requested if os.path.isdir(requested) else None
+    if cfg.job_spec().stage.launch == "rl_controller":
+        from stages.rl.checkpoint import latest_checkpoint
+
+        return latest_checkpoint(output_dir)
+    return latest_committed(output_dir)
+
+
+def _same_plan(cfg, output_dir: str) -> bool:
+    from .config import RESOLVED_CONFIG_NAME
+
+    path = os.path.join(output_dir, RESOLVED_CONFIG_NAME)
+    if not os.path.isfile(path):
+        return False
+    with open(path, encoding="utf-8") as f:
+        saved = yaml.safe_load(f) or {}
+    now = cfg.resolved()
+    return all(saved.get(key) == now.get(key) for key in PLAN_KEYS)
