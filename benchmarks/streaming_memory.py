@@ -6,7 +6,7 @@
 Stage pt (configs/pt_lora.yaml: tiny Qwen2-style model, LoRA, packing into 64-token blocks) on a
 synthetic corpus of 1x, 4x and 16x BASE_LINES lines, written as a txt file for each case. Without
 streaming every worker receives the whole tokenized corpus (fabric/worker.py), so its memory grows
-with the corpus; with streaming each worker pulls its share as it trains (fabric/streamed_shard.py)
+with the corpus; with streaming each worker pulls its share as it trains (fabric/data/streamed_shard.py)
 and only a shuffle buffer's worth of rows is held. Both train the same few steps: the figure is
 what holding the data costs, not training. Figures, not asserts.
 """

@@ -38,7 +38,7 @@ def run_exp(
     cfg = config if isinstance(config, RunConfig) else load_config(config, list(overrides))
     console = console or Console()
 
-    from fabric.data_pipeline import check_data, prepare_datasets
+    from fabric.data.prepare import check_data, prepare_datasets
     from fabric.in_driver import trains_in_driver
     from fabric.launcher import launch_training
     from fabric.ray_session import connect

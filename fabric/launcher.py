@@ -22,7 +22,7 @@ from .worker import WorkerPayload, train_loop
 if TYPE_CHECKING:
     from transformers import TrainerCallback
 
-    from .data_pipeline import PreparedData
+    from .data.prepare import PreparedData
 
 logger = logging.getLogger(__name__)
 
@@ -34,7 +34,7 @@ def launch_training(
 ) -> tuple["ray.train.Result", "PreparedData"]:
     """Fit on ``ray_num_workers`` workers, or in this process (``in_driver``: fabric/in_driver.py
     says when); the result carries the final metrics and checkpoint.
-    ``prepare_data`` tokenizes (fabric/data_pipeline.py): called here while the workers start.
+    ``prepare_data`` tokenizes (fabric/data/prepare.py): called here while the workers start.
     ``progress``, if given, is called on the driver with each of rank 0's Trainer log records."""
     training = spec.training
     run_name = ray_args.ray_run_name or default_run_name(training.output_dir)
@@ -45,7 +45,7 @@ def launch_training(
     streaming = spec.data.streaming
     if streaming:
         # Only a stream goes through Ray Train's ingest, which splits it: each worker pulls its own
-        # share (fabric/streamed_shard.py). Preparing one is lazy (nothing is read until then), and
+        # share (fabric/data/streamed_shard.py). Preparing one is lazy (nothing is read until then), and
         # Ray Train needs it before it starts.
         data, handoff = prepare_data(), None
         blocks = ray.put(_block_refs(data, with_train=False))

@@ -32,7 +32,8 @@ from stages.table import get_stage
 # The pipeline's own read -> align -> mix steps and its execution settings (preserve_order,
 # user errors carried whole out of Ray Data tasks), so predict rows are exactly its eval rows.
 from .args import RayArguments
-from .data_pipeline import aligned_mixed, CarriedDataError, pipeline_context, carried_user_error
+from .data.common import CarriedDataError, carried_user_error, pipeline_context
+from .data.ray_data import aligned_mixed
 
 logger = logging.getLogger(__name__)
 

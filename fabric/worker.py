@@ -44,7 +44,7 @@ def train_loop(config: dict) -> None:
     from stages.job import StageJob
 
     from .ray_session import quiet_ray_data
-    from .streamed_shard import feed_streamed_shards
+    from .data.streamed_shard import feed_streamed_shards
     from .threads import set_torch_threads
 
     payload: WorkerPayload = config["payload"]  # put in the object store by launch_training; in the driver, itself
@@ -102,7 +102,7 @@ def hf_dataset(name: str, blocks: list["ray.ObjectRef"]):
 
 def streamed_train_shard(spec: JobSpec):
     """This worker's share of a streamed training set (``streaming: true``; Ray Train split it)."""
-    from .streamed_shard import StreamedShard
+    from .data.streamed_shard import StreamedShard
 
     return StreamedShard(ray.train.get_dataset_shard("train"), spec.data.buffer_size, spec.training.seed)
 

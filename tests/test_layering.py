@@ -1,8 +1,9 @@
 """The house's one rule of direction: cluster -> fabric -> stages -> registries.
 
 A package imports only from its own floor and the floors below it, wherever the import stands
-(module top or inside a function: a lazy import still ties the floors together), and Ray is
-imported only by cluster/ and fabric/: stages/ and registries/ run without a cluster.
+(module top or inside a function: a lazy import still ties the floors together), Ray is imported
+only by cluster/ and fabric/ (stages/ and registries/ run without a cluster), and no modules
+import each other in a circle (one closed by an import inside a function included).
 """
 
 from __future__ import annotations
@@ -64,3 +65,89 @@ def test_the_check_sees_an_upward_import(tmp_path, monkeypatch):
     monkeypatch.setattr(sys.modules[__name__], "REPO_ROOT", str(tmp_path))
     assert _violations("stages") == ["stages/recipe.py:2 imports fabric (a floor above stages)",
                                      "stages/recipe.py:3 imports ray (stages runs without a cluster)"]
+
+
+def _module_graph(root: str) -> dict[str, set[str]]:
+    """Module -> the modules of ours it imports (any import, relative ones resolved; a module's
+    own parent packages are not counted: importing a.b.c runs a and a.b first anyway)."""
+    paths = {}
+    for package in FLOORS:
+        for path in _python_files_under(root, package):
+            name = os.path.relpath(path, root)[:-3].replace(os.sep, ".")
+            paths[name.removesuffix(".__init__")] = path
+    graph = {}
+    for name, path in paths.items():
+        here = name.split(".") if path.endswith("__init__.py") else name.split(".")[:-1]
+        with open(path, encoding="utf-8") as f:
+            tree = ast.parse(f.read(), filename=path)
+        targets = []
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Import):
+                targets += [alias.name for alias in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                base = ".".join((here[: len(here) - node.level + 1] if node.level else []) + [node.module or ""]).strip(".")
+                targets += [base] + [f"{base}.{alias.name}" for alias in node.names]
+        graph[name] = set()
+        for target in targets:
+            while target and target not in paths:
+                target = target.rpartition(".")[0]
+            if target and target != name and not name.startswith(target + "."):
+                graph[name].add(target)
+    return graph
+
+
+def _python_files_under(root: str, package: str):
+    for folder, _, names in os.walk(os.path.join(root, package)):
+        yield from (os.path.join(folder, n) for n in names if n.endswith(".py"))
+
+
+def _circles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected groups of more than one module (Tarjan's algorithm, iterative)."""
+    index, low, stack, on_stack, found, counter = {}, {}, [], set(), [], [0]
+    for start in graph:
+        if start in index:
+            continue
+        work = [(start, iter(sorted(graph[start])))]
+        index[start] = low[start] = counter[0]
+        counter[0] += 1
+        stack.append(start)
+        on_stack.add(start)
+        while work:
+            node, children = work[-1]
+            child = next(children, None)
+            if child is not None:
+                if child not in index:
+                    index[child] = low[child] = counter[0]
+                    counter[0] += 1
+                    stack.append(child)
+                    on_stack.add(child)
+                    work.append((child, iter(sorted(graph[child]))))
+                elif child in on_stack:
+                    low[node] = min(low[node], index[child])
+                continue
+            work.pop()
+            if work:
+                low[work[-1][0]] = min(low[work[-1][0]], low[node])
+            if low[node] == index[node]:
+                group = []
+                while True:
+                    member = stack.pop()
+                    on_stack.discard(member)
+                    group.append(member)
+                    if member == node:
+                        break
+                if len(group) > 1:
+                    found.append(sorted(group))
+    return found
+
+
+def test_no_modules_import_each_other_in_a_circle():
+    assert _circles(_module_graph(REPO_ROOT)) == []
+
+
+def test_the_circle_check_sees_a_circle_closed_inside_a_function(tmp_path):
+    (tmp_path / "fabric" / "data").mkdir(parents=True)
+    (tmp_path / "fabric" / "data" / "pipeline.py").write_text("from .tokenizing import run\n")
+    (tmp_path / "fabric" / "data" / "tokenizing.py").write_text("def run():\n    from . import pipeline\n")
+    (tmp_path / "fabric" / "data" / "alone.py").write_text("from fabric.data import pipeline\n")
+    assert _circles(_module_graph(str(tmp_path))) == [["fabric.data.pipeline", "fabric.data.tokenizing"]]

@@ -272,7 +272,7 @@ def command_line(config_path: str, job_address: str | None = None) -> str:
 
 def validate(config: dict[str, Any]) -> dict[str, str] | None:
     """None when the CLI would accept ``config``, else {"key": the field it names, "message": its paragraph}."""
-    from fabric.data_pipeline import check_data
+    from fabric.data.prepare import check_data
     from registries.datasets.info import get_dataset_attrs
 
     from ..config import load_config

@@ -14,7 +14,7 @@ from typing import Any
 from .errors import DataConfigError
 
 MIX_STRATEGIES = ("concat", "interleave_under", "interleave_over")
-# Where the data is read, aligned and tokenized (fabric/data_pipeline.py decides "auto" by size).
+# Where the data is read, aligned and tokenized (fabric/data/prepare.py decides "auto" by size).
 PREPROCESSING_ENGINES = ("auto", "driver", "ray_data")
 
 

@@ -22,7 +22,7 @@ with Console(sys.argv[1], verbose=sys.argv[2] == "verbose") as console:
     warnings.warn("a library's warning")
     console.mark("checks")
     console.mark("Ray")
-    logging.getLogger("fabric.data_pipeline").info("data ready in 1.0s")
+    logging.getLogger("fabric.data.prepare").info("data ready in 1.0s")
     console.mark("data")
     import time
     now = time.time()  # rank 0 stamps its records: the split uses those times, not their arrival

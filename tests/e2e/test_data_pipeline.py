@@ -21,7 +21,8 @@ from collections import Counter
 import pytest
 
 from cluster.config import load_config
-from fabric.data_pipeline import BATCH_SIZE, prepare_datasets
+from fabric.data.common import BATCH_SIZE
+from fabric.data.prepare import prepare_datasets
 from registries.datasets.errors import DataConfigError
 from registries.datasets.loading import load_aligned
 from stages.loading import load_tokenizer_and_template
@@ -126,7 +127,7 @@ def test_driver_engine_gives_ray_datas_blocks(prepare, overrides):
 
 
 def test_auto_engine_tokenizes_small_files_in_the_driver(tmp_path):
-    from fabric.data_pipeline import DRIVER_MAX_BYTES, tokenizes_in_driver
+    from fabric.data.prepare import DRIVER_MAX_BYTES, tokenizes_in_driver
     from registries.datasets.args import DataArguments
 
     demo = DataArguments(dataset="arith_train,tasks_sharegpt", eval_dataset="arith_eval", dataset_dir=DATA_DIR)

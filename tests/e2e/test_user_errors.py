@@ -222,7 +222,7 @@ def test_more_workers_than_cluster_cpus_fails_fast(tmp_path, ray_session, sessio
 def test_changed_setting_on_reused_tokenized_path_exits_2(tmp_path, session_address, monkeypatch):
     """The tokenized_path mismatch (tested in depth in test_data_pipeline) is a user error too."""
     from cluster.config import load_config
-    from fabric.data_pipeline import prepare_datasets
+    from fabric.data.prepare import prepare_datasets
     from stages.loading import load_tokenizer_and_template
 
     write_dataset(tmp_path)

@@ -2,7 +2,7 @@
 
 read (Ray tasks, one file chunk at a time) -> align -> concat -> tokenize in BATCH_SIZE windows,
 never materialized: Ray Train splits the stream between the workers (``streaming_split``) and
-each worker pulls its share as it trains (fabric/streamed_shard.py), so neither the driver nor a
+each worker pulls its share as it trains (streamed_shard.py), so neither the driver nor a
 worker holds the whole dataset. The evaluation split is small and is prepared as usual.
 
 What streaming gives up, compared with the materialized path (docs/architecture.md):
@@ -28,10 +28,8 @@ from registries.datasets.readers import iter_file_tables, read_table
 from registries.datasets.stage_fields import check_stage_fields
 from stages.table import StageSpec
 
-from .data_pipeline import (
-    BATCH_SIZE, CarriedDataError, aligned_mixed, align_rows, nothing_left, tokenize_windows, tokenized,
-    split_sources, user_errors_raised,
-)
+from .common import BATCH_SIZE, CarriedDataError, nothing_left, split_sources, user_errors_raised
+from .ray_data import align_rows, aligned_mixed, tokenize_windows, tokenized
 
 logger = logging.getLogger(__name__)
 
@@ -80,7 +78,7 @@ def _read_files(table, attr):
     try:
         for path in table.column("path").to_pylist():
             yield from iter_file_tables(attr, path, READ_CHUNK_ROWS)
-    except (DatasetRowError, DataConfigError) as err:  # whole to the driver, as data_pipeline's UDFs do
+    except (DatasetRowError, DataConfigError) as err:  # whole to the driver, as common.user_code's UDFs do
         raise CarriedDataError(err) from None
 
 

@@ -23,7 +23,7 @@ from registries.datasets.errors import DataConfigError
 from registries.datasets.loading import load_aligned
 from stages.table import StageSpec
 
-from .data_pipeline import BATCH_SIZE, nothing_left, split_sources
+from .common import BATCH_SIZE, nothing_left, split_sources
 
 
 def tokenized_in_driver(data_args: DataArguments, stage: StageSpec, seed: int, tokenizer,
