@@ -1,4 +1,5 @@
-"""A worker that dies hard mid-run: Ray Train restarts the group, which resumes exactly.
+"""A worker that dies hard mid-run: Ray Train restarts the group, which resumes exactly: every step
+logged once, and the final weights of the same run without the fault.
 
 Two workers; rank 0 is the one killed, because it is the rank that writes trainer_log.jsonl and
 the checkpoints: its death is the case that can lose or repeat logged steps. (Rank 1 then sits in
@@ -20,6 +21,7 @@ from transformers import TrainerCallback
 
 from cluster.driver import run_exp
 from stages.callbacks import read_log
+from tests.e2e.weights import WEIGHT_TOL, final_weights_gap
 
 # Ray pickles the callbacks to the workers, which cannot import this test module by name.
 ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
@@ -85,3 +87,10 @@ def test_worker_killed_mid_run_resumes_from_last_checkpoint(ray_session, sft_con
         _, mismatch, errors = filecmp.cmpfiles(original, copy, os.listdir(original), shallow=False)
         assert not mismatch and not errors, (step, mismatch, errors)
     assert sorted(saved_steps) == [3, 6, 9, MAX_STEPS]  # 10: the final save at max_steps
+
+    # The same run without the kill, in folders of its own: the recovered run ends on its weights
+    # (a restart that lost optimizer, scheduler, RNG or data position state would not).
+    reference_dir = tmp_path / "uninterrupted"
+    reference = run_exp({**config, "output_dir": str(reference_dir), "ray_storage_path": str(reference_dir / "ray")})
+    worst = final_weights_gap(result.output_dir, reference.output_dir)
+    assert worst <= WEIGHT_TOL, f"final weights differ from the uninterrupted run's by up to {worst}"

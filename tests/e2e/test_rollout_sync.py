@@ -9,7 +9,6 @@ whole module (start-up costs seconds); every test pushes the weights it needs fi
 from __future__ import annotations
 
 import importlib.util
-import os
 
 import pytest
 import ray
@@ -19,6 +18,7 @@ from transformers import AutoModelForCausalLM
 from registries.models.tiny import tiny_model_path
 from stages.rl.logprobs import completion_logprobs
 from stages.rl.types import SamplingSpec
+from tests.ci import skip_or_fail_in_ci
 
 # head_dim 32: vLLM's CPU attention supports 32, 64, 80, ... only.
 MODEL = dict(hidden_size=64, num_heads=2)
@@ -36,7 +36,7 @@ def model_path():
 def engine(ray_session, model_path):
     if importlib.util.find_spec("vllm") is None:
         message = "vllm is not installed (pip install -e .[vllm])"
-        pytest.fail(message) if os.environ.get("CI") == "true" else pytest.skip(message)
+        skip_or_fail_in_ci(message)
     from fabric.rollout import VLLMEngine, VLLMEngineConfig, engine_runtime_env
 
     config = VLLMEngineConfig(model_path=str(model_path), kv_cache_bytes=64 << 20, max_model_len=128)

@@ -106,11 +106,12 @@ def test_export_is_sharded_by_export_size(exported):
     assert not any(f.startswith("adapter_") for f in files)  # merged, not an adapter
 
 
-def test_export_generates_the_same_in_vllm(exported, reference):
+def test_export_generates_the_same_in_vllm(exported, reference, monkeypatch):
     from fabric.rollout.vllm_engine import ENGINE_ENV
 
-    for key, value in ENGINE_ENV.items():
-        os.environ.setdefault(key, value)
+    for key, value in ENGINE_ENV.items():  # os.environ.setdefault, undone when the test ends
+        if key not in os.environ:
+            monkeypatch.setenv(key, value)
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import json
 import socket
+import time
 
 import httpx
 import pytest
@@ -18,6 +19,12 @@ API_KEY = "sk-test-key"
 MAX_NEW = 12
 MAXLEN = 512
 LONG = "word " * 1000  # > MAXLEN tokens
+CONCURRENT_TOKENS = 8  # enough for each adapter to answer each prompt differently
+# Concurrent vLLM requests: replies long enough that requests generated one after another could not
+# overlap, over adapter/prompt pairs whose greedy replies run to that limit (math stops early on
+# PROMPTS[0] and [1]). Measured: 8 together take ~1.1 s, one at a time ~3.2 s.
+OVERLAP_REQUESTS, OVERLAP_TOKENS = 8, 48
+OVERLAP_CASES = [("poet", 0), ("poet", 1), ("poet", 2), ("math", 2)]
 
 
 def _free_port() -> int:
@@ -250,17 +257,36 @@ def test_score_with_a_reward_model(server, config, reward_output):
     assert bad.status_code == 400 and "must end with the assistant reply" in bad.json()["error"]["message"]
 
 
+def _greedy_answers_one_at_a_time(url: str, cases, **body) -> dict:
+    """{(model, prompt index): (reply text, finish reason, seconds)} for each case, one request after the other."""
+    answers = {}
+    for model, prompt in sorted(set(cases)):
+        start = time.perf_counter()
+        answer = httpx.post(url, json={"model": model, "messages": PROMPTS[prompt], **body}, headers=_auth(), timeout=120)
+        assert answer.status_code == 200, answer.text
+        choice = answer.json()["choices"][0]
+        answers[model, prompt] = choice["message"]["content"], choice["finish_reason"], time.perf_counter() - start
+    # Each adapter answers each prompt differently, so an answer given to the wrong request would show.
+    assert len({text for text, *_ in answers.values()}) == len(answers), answers
+    return answers
+
+
 def test_32_concurrent_requests(server):
+    """32 requests at once over two adapters and three prompts: each gets exactly the greedy answer
+    its adapter gives its prompt alone, so none is lost, cut short or swapped with another under load."""
+    cases = [("math" if i % 2 else "poet", i % 3) for i in range(32)]
+    alone = _greedy_answers_one_at_a_time(server + "/v1/chat/completions", cases, max_tokens=CONCURRENT_TOKENS)
+
     async def run() -> list[httpx.Response]:
         async with httpx.AsyncClient(timeout=300, headers=_auth()) as http:
             return await asyncio.gather(*(
                 http.post(server + "/v1/chat/completions", json={
-                    "model": "math" if i % 2 else "poet", "messages": PROMPTS[i % 3], "max_tokens": 4})
-                for i in range(32)))
+                    "model": model, "messages": PROMPTS[prompt], "max_tokens": CONCURRENT_TOKENS})
+                for model, prompt in cases))
 
     answers = asyncio.run(run())
     assert [a.status_code for a in answers] == [200] * 32
-    assert all(a.json()["choices"][0]["message"]["content"] is not None for a in answers)
+    assert [a.json()["choices"][0]["message"]["content"] for a in answers] == [alone[case][0] for case in cases]
 
 
 def test_cli_writes_a_serve_config(tmp_path, config, monkeypatch):
@@ -285,21 +311,73 @@ def test_cli_writes_a_serve_config(tmp_path, config, monkeypatch):
     assert type(built).__name__ == "Application"
 
 
-def test_vllm_backend_greedy_parity(server, config, local_chat):
-    """The same app over the vLLM engine answers greedy requests as ChatModel on transformers does."""
+@pytest.fixture(scope="module")
+def vllm_server(server, config):
+    """The same app over the vLLM engine, at {server}/vllm: one for the module (its start is the slow part)."""
     from ray import serve
 
     from cluster.serve.app import build_app
 
     serve.run(build_app({**config, "infer_backend": "vllm", "vllm_cpu_kv_cache_gib": 0.05, "api_key": None}),
               name="rayfactory-vllm", route_prefix="/vllm")
-    try:
-        for model, adapter in (("math", None), ("poet", "poet")):
-            answer = httpx.post(server + "/vllm/v1/chat/completions", timeout=120,
-                                json={"model": model, "messages": PROMPTS[1]})
-            assert answer.status_code == 200, answer.text
-            expected = local_chat.chat(PROMPTS[1], adapter=adapter)[0]
-            assert answer.json()["choices"][0]["message"]["content"] == expected.response_text
-            assert answer.json()["usage"]["completion_tokens"] == expected.response_length
-    finally:
-        serve.delete("rayfactory-vllm")
+    yield server + "/vllm"
+    serve.delete("rayfactory-vllm")
+
+
+def test_vllm_backend_greedy_parity(vllm_server, local_chat):
+    """The same app over the vLLM engine answers greedy requests as ChatModel on transformers does."""
+    for model, adapter in (("math", None), ("poet", "poet")):
+        answer = httpx.post(vllm_server + "/v1/chat/completions", timeout=120,
+                            json={"model": model, "messages": PROMPTS[1]})
+        assert answer.status_code == 200, answer.text
+        expected = local_chat.chat(PROMPTS[1], adapter=adapter)[0]
+        assert answer.json()["choices"][0]["message"]["content"] == expected.response_text
+        assert answer.json()["usage"]["completion_tokens"] == expected.response_length
+
+
+def test_vllm_backend_generates_concurrent_requests_together(vllm_server):
+    """OVERLAP_REQUESTS streamed requests at once on the vLLM app are generated at the same time, not
+    one after another: every request has received its first token before any has received its last
+    (a server that answers one request at a time sends request k's first token only after request
+    k-1's last). Each streamed answer equals the greedy answer its adapter gives its prompt alone."""
+    url = vllm_server + "/v1/chat/completions"
+    cases = OVERLAP_CASES * (OVERLAP_REQUESTS // len(OVERLAP_CASES))
+    alone = _greedy_answers_one_at_a_time(url, cases, max_tokens=OVERLAP_TOKENS)
+    # Replies that all run to the limit: one that stopped after a few tokens could end before a
+    # request sent with it had its first token even on a server that generates them together.
+    assert {reason for _, reason, _ in alone.values()} == {"length"}, alone
+
+    async def one(http: httpx.AsyncClient, model: str, prompt: int):
+        """(reply text, when the request was sent, its first token came, its last token came)."""
+        pieces, first, last = [], None, None
+        sent = time.perf_counter()
+        async with http.stream("POST", url, json={"model": model, "messages": PROMPTS[prompt], "stream": True,
+                                                  "max_tokens": OVERLAP_TOKENS}) as response:
+            assert response.status_code == 200, await response.aread()
+            async for line in response.aiter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                for choice in json.loads(line[len("data: "):])["choices"]:
+                    if choice["delta"].get("content"):
+                        pieces.append(choice["delta"]["content"])
+                        first = first or time.perf_counter()
+                    if choice["finish_reason"]:
+                        last = time.perf_counter()
+        return "".join(pieces), sent, first, last
+
+    async def run():
+        async with httpx.AsyncClient(timeout=120) as http:
+            return await asyncio.gather(*(one(http, model, prompt) for model, prompt in cases))
+
+    start = time.perf_counter()
+    results = asyncio.run(run())
+    wall = time.perf_counter() - start
+    assert [text for text, *_ in results] == [alone[case][0] for case in cases]
+    latest_first, earliest_last = max(r[2] for r in results), min(r[3] for r in results)
+    timeline = [(round(sent - start, 3), round(first - start, 3), round(last - start, 3))
+                for _, sent, first, last in results]
+    alone_s = sum(alone[case][2] for case in cases)
+    assert latest_first < earliest_last, (
+        f"the requests were not generated together: the last first token came {latest_first - start:.3f} s in, "
+        f"after a reply had ended at {earliest_last - start:.3f} s; (sent, first token, last token) per request: "
+        f"{timeline}; all {OVERLAP_REQUESTS} took {wall:.2f} s, one at a time {alone_s:.2f} s")

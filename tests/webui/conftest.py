@@ -18,6 +18,7 @@ import urllib.request
 import pytest
 
 from cluster.local_head import Head, free_port, stop_head
+from tests.ci import skip_or_fail_in_ci
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
@@ -25,10 +26,6 @@ CHROMEDRIVER = shutil.which("chromedriver")
 ARTIFACTS = os.path.join(os.environ.get("RAYFACTORY_TEST_ARTIFACTS") or os.path.join(REPO_ROOT, "test-artifacts"),
                          "webui")
 SERVER_START_TIMEOUT_S = 90
-
-
-def _in_ci() -> bool:
-    return os.environ.get("CI", "").strip().lower() in ("true", "1", "yes")
 
 
 @pytest.fixture(scope="session")
@@ -68,9 +65,7 @@ def browser():
     if not (CHROMIUM and CHROMEDRIVER):
         reason = ("headless Chromium is not installed (Debian: apt-get install chromium chromium-driver; "
                   "scripts/install_browser.sh does it and the test command runs that)")
-        if _in_ci():
-            pytest.fail(reason)
-        pytest.skip(reason)
+        skip_or_fail_in_ci(reason)
     from selenium import webdriver
     from selenium.webdriver.chrome.options import Options
     from selenium.webdriver.chrome.service import Service
