@@ -17,7 +17,6 @@ API); the engine queues or batches concurrent requests itself.
 # extra) do not resolve string annotations on a Serve ingress class, which turns every request
 # into a 400 for a missing "request" query parameter.
 import asyncio
-import contextlib
 import hmac
 from typing import Any, AsyncIterator, Iterable, Optional
 
@@ -105,22 +104,36 @@ class _client_errors:
         return False
 
 
-@contextlib.asynccontextmanager
-async def _time_budget(seconds: float):
-    """Cancel the enclosed awaits after ``seconds`` and raise TimeoutError (asyncio.timeout, also on
-    Python 3.10). The work stays in the caller's task: a client that goes away cancels it all."""
-    task, expired = asyncio.current_task(), []
-    handle = asyncio.get_running_loop().call_later(seconds, lambda: (expired.append(True), task.cancel()))
-    try:
-        yield
-    except asyncio.CancelledError:
-        if not expired:
-            raise
-        if hasattr(task, "uncancel"):
-            task.uncancel()
-        raise TimeoutError from None
-    finally:
-        handle.cancel()
+class _TimeBudget:
+    """``async with _TimeBudget(s) as budget``: once ``budget.start()`` is called, the enclosed awaits
+    are cancelled after ``s`` seconds and TimeoutError is raised (asyncio.timeout, also on Python
+    3.10, started late). The work stays in the caller's task: a client that goes away cancels it all.
+    A generation starts it at its first token, so time spent queued behind another request's
+    generation (the transformers engine answers one at a time) is not held against this one."""
+
+    def __init__(self, seconds: float):
+        self.seconds, self.expired, self._handle, self._task = seconds, False, None, None
+
+    async def __aenter__(self) -> "_TimeBudget":
+        self._task = asyncio.current_task()
+        return self
+
+    def start(self) -> None:
+        if self._handle is None:
+            self._handle = asyncio.get_running_loop().call_later(self.seconds, self._expire)
+
+    def _expire(self) -> None:
+        self.expired = True
+        self._task.cancel()
+
+    async def __aexit__(self, kind, exc, tb) -> bool:
+        if self._handle is not None:
+            self._handle.cancel()
+        if kind is asyncio.CancelledError and self.expired:
+            if hasattr(self._task, "uncancel"):
+                self._task.uncancel()
+            raise TimeoutError from None
+        return False
 
 
 def _score_all(scorer, converted: list[tuple[list[dict], Optional[str]]]) -> list[float]:
@@ -191,7 +204,7 @@ class ChatServer:
             self._check_room(prepared, body.max_completion_tokens or body.max_tokens)
             if body.stream:
                 return self._stream(body, prepared, tools)
-            responses = await self._within_budget(self.chat.generate_request(prepared, tools))
+            responses = await self._within_budget(lambda start: self.chat.generate_request(prepared, tools, start))
         return p.completion(responses, body.model, self.chat.tokenizer)
 
     @api.post("/v1/score")
@@ -213,7 +226,8 @@ class ChatServer:
         with _client_errors(ValueError):
             converted = [p.to_chat_inputs(c, ends_on_reply=True) for c in conversations]
             async with self._score_lock:
-                scores = await self._within_budget(asyncio.to_thread(_score_all, self.scorer, converted))
+                scores = await self._within_budget(
+                    lambda start: asyncio.to_thread(_score_all, self.scorer, converted), start_now=True)
         return {"object": "list", "model": body.model, "scores": scores,
                 "data": [{"object": "score", "index": i, "score": s} for i, s in enumerate(scores)]}
 
@@ -270,11 +284,14 @@ class ChatServer:
                                   "Lower max_tokens or shorten the messages.", param="max_tokens",
                              code="context_length_exceeded")
 
-    async def _within_budget(self, work):
-        """``work`` stopped past serve_request_timeout_s (408), so one request cannot hold a replica."""
+    async def _within_budget(self, work, start_now: bool = False):
+        """``work(start)`` stopped past serve_request_timeout_s from when it calls ``start()`` (or
+        from now), with a 408, so one request cannot hold a replica."""
         try:
-            async with _time_budget(self.limits.timeout_s):
-                return await work
+            async with _TimeBudget(self.limits.timeout_s) as budget:
+                if start_now:
+                    budget.start()
+                return await work(budget.start)
         except TimeoutError:
             raise p.APIError(408, self._timeout_message(), code="timeout") from None
 
@@ -285,21 +302,21 @@ class ChatServer:
     def _stream(self, body: p.ChatCompletionRequest, prepared, tools) -> StreamingResponse:
         cid, name = p.completion_id(), body.model
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
-        budget = self.limits.timeout_s
+        budget = _TimeBudget(self.limits.timeout_s)
 
         async def deltas():
             if tools:  # tool calls are parsed from the whole reply: answer once, as chunks
-                for response in await self.chat.generate_request(prepared, tools):
+                for response in await self.chat.generate_request(prepared, tools, budget.start):
                     yield _WholeDelta(response)
             else:
-                async for delta in self.chat.stream_request(prepared):
+                async for delta in self.chat.stream_request(prepared, budget.start):
                     yield delta
 
         async def events() -> AsyncIterator[str]:
             started, completion_tokens = set(), 0
             source = deltas()
             try:
-                async with _time_budget(budget):  # counted from the first byte sent, not from each chunk
+                async with budget:  # counted from the first token, for the whole reply
                     async for delta in source:
                         if delta.index not in started:
                             started.add(delta.index)

@@ -30,7 +30,7 @@ class ServeArguments:
     serve_max_n: int = 16  # choices per request
     serve_max_stop: int = 16  # stop strings per request (OpenAI allows 4)
     serve_max_stop_length: int = 256  # characters in one stop string
-    serve_request_timeout_s: float = 300  # a request still generating after this is stopped (408)
+    serve_request_timeout_s: float = 300  # a request still generating this long after its first token is stopped (408)
     serve_docs: bool = False  # /docs and /openapi.json (their page loads scripts from a CDN)
 
     def request_limits(self) -> "RequestLimits":
