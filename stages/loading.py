@@ -70,8 +70,9 @@ def load_tokenizer_and_template(model_args, data_args, for_requests: bool = Fals
 def customize_template(template, data_args, for_requests: bool = False):
     changes = {}
     escape = getattr(data_args, "escape_special_tokens", None)
-    if (for_requests if escape is None else escape) != template.escape_special_tokens:
-        changes["escape_special_tokens"] = for_requests if escape is None else bool(escape)
+    escape = for_requests if escape is None else bool(escape)
+    if escape != template.escape_special_tokens:
+        changes["escape_special_tokens"] = escape
     if getattr(data_args, "default_system", None) is not None:
         changes["default_system"] = data_args.default_system
     if template.thought_words is not None:

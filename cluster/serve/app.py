@@ -27,7 +27,7 @@ from ray import serve
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from stages.inference.chat_model import ChatInputError, ChatModel
-from stages.inference.engine import PromptTooLong
+from stages.inference.engine import PromptTooLong, check_prompt_fits
 from stages.inference.loading import InferenceSpec
 from stages.inference.scoring import is_reward_output
 from stages.value_head import VALUE_HEAD_FILE
@@ -275,10 +275,8 @@ class ChatServer:
     def _check_room(self, prepared, asked: Optional[int]) -> None:
         """The prompt, and the reply length the client asked for, against the context window (400s)."""
         window = self.chat.engine.max_model_len
-        room = window - len(prepared.prompt_ids)
-        if room < 1:
-            raise PromptTooLong(len(prepared.prompt_ids), window)
-        if asked is not None and asked > room:
+        check_prompt_fits(prepared, window)  # the prompt alone leaves room for a reply, or PromptTooLong
+        if asked is not None and len(prepared.prompt_ids) + asked > window:
             raise p.APIError(400, f"the model's context window is {window} tokens, but {len(prepared.prompt_ids) + asked} "
                                   f"were asked for ({len(prepared.prompt_ids)} in the messages, {asked} in the reply). "
                                   "Lower max_tokens or shorten the messages.", param="max_tokens",
