@@ -43,10 +43,11 @@ def bench_model(name: str, repeats: int) -> dict:
     import torch
     from transformers import AutoModelForCausalLM
 
-    from fabric.rollout import VLLMEngine, VLLMEngineConfig, engine_runtime_env
+    from fabric.rollout import engine_runtime_env
     from fabric.weight_sync import ObjectStoreSync
     from registries.models.tiny import tiny_model_path
-    from stages.rl.types import SamplingSpec
+    from stages.engines.types import SamplingSpec
+    from stages.engines.vllm_backend import VLLMEngine, VLLMEngineConfig
 
     path = tiny_model_path("qwen2", **MODELS[name])
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
@@ -64,7 +65,7 @@ def bench_model(name: str, repeats: int) -> dict:
     vllm_times = []
     for _ in range(repeats + 1):
         t = time.perf_counter()
-        out = ray.get(engine.generate.remote(prompts, spec))
+        out = ray.get(engine.generate_batch.remote(prompts, spec))
         vllm_times.append(time.perf_counter() - t)
         assert sum(len(c.token_ids) for c in out) == new_tokens
     torch.set_num_threads(1)

@@ -88,7 +88,7 @@ class _Session:
     def _report(error: BaseException) -> None:
         """A conversation the model cannot take (too long for its window, ...) is said in a line and
         the session goes on; anything else is a bug and keeps its traceback."""
-        from stages.inference.engine import PromptTooLong
+        from stages.engines.types import PromptTooLong
 
         if isinstance(error, PromptTooLong):
             print(f"\nrayfactory: {error} Type `clear` to start a new conversation.", flush=True)

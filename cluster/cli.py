@@ -153,8 +153,7 @@ def _stages_help() -> str:
     from stages.table import STAGES
 
     width = max(map(len, STAGES))
-    lines = [f"  {name.ljust(width)}  {spec.summary}" + ("" if spec.available else " (not available yet)")
-             for name, spec in STAGES.items()]
+    lines = [f"  {name.ljust(width)}  {spec.summary}" for name, spec in STAGES.items()]
     return "stages (the config's stage key):\n" + "\n".join(lines)
 
 

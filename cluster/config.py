@@ -4,6 +4,10 @@ Keys are flat, as in LLaMA-Factory, and each one belongs to exactly one group by
 model, data, finetuning, generating, ray (our dataclasses) or training (the fields of the
 installed transformers' Seq2SeqTrainingArguments). Every user mistake becomes one
 ``ConfigError`` paragraph that says what is wrong, where (file or override) and how to fix it.
+
+``load_config`` is the only place a config is resolved (stage defaults from the stage table,
+absolute paths) and checked; the CLI, the web UI, ``submit`` and ``run_exp`` all call it, so they
+refuse the same configs with the same paragraph. Nothing changes the ``RunConfig`` it returns.
 """
 
 from __future__ import annotations
@@ -34,7 +38,6 @@ from stages.job import JobSpec
 from stages.inference.args import ExportArguments, InferenceArguments
 from stages.inference.loading import InferenceSpec
 from stages.rl.args import RLArguments
-from stages.table import UnknownStageError, get_stage
 
 from .config_types import ConfigError, bool_word, coerce_key
 from .extras import check_extras
@@ -43,7 +46,9 @@ from .paths import resolve_paths
 from .rl_checks import check_rl
 from .serve.args import ServeArguments
 from .training_checks import (
+    check_planned_work,
     check_streaming,
+    check_template,
     check_trainer_checkpoint,
     check_training_options,
     read_deepspeed_config,
@@ -66,9 +71,7 @@ GROUPS: dict[str, type] = {
 PURPOSES = ("train", "infer")
 
 
-
-
-@dataclass
+@dataclass(frozen=True)
 class RunConfig:
     model: ModelArguments
     data: DataArguments
@@ -88,6 +91,11 @@ class RunConfig:
         """The typed slices every process of the run receives (the same objects, not copies)."""
         return JobSpec(model=self.model, data=self.data, finetuning=self.finetuning, training=self.training,
                        rl=self.rl, generating=self.generating)
+
+    def with_template(self, name: str) -> "RunConfig":
+        """A copy with template ``name``: ``auto`` is a fact of the tokenizer, which the driver loads
+        (not load_config: validating a form must not load models); this config stays unchanged."""
+        return dataclasses.replace(self, data=dataclasses.replace(self.data, template=name))
 
     def inference_spec(self) -> InferenceSpec:
         """The slice chat, serve, predict and export read."""
@@ -133,23 +141,26 @@ def load_config(path_or_dict: str | os.PathLike | dict | None = None, overrides:
     raw = dict(values)
     notes = apply_lf_compat(values, origin)
     grouped = _route(values, origin)
-    run = RunConfig(
-        model=_build("model", grouped["model"], origin, source),
-        data=_build("data", grouped["data"], origin, source),
-        finetuning=_build("finetuning", grouped["finetuning"], origin, source),
-        generating=_build("generating", grouped["generating"], origin, source),
-        training=TrainingOptions(grouped["training"]),
-        ray=_build("ray", grouped["ray"], origin, source),
-        rl=_build("rl", grouped["rl"], origin, source),
-        inference=_build("inference", grouped["inference"], origin, source),
-        export=_build("export", grouped["export"], origin, source),
-        serve=_build("serve", grouped["serve"], origin, source),
-        raw=raw,
-        source=source,
-        notes=notes,
-    )
+    given = {key: value for group in grouped.values() for key, value in group.items()}  # typed
+    built = {group: _build(group, grouped[group], origin, source) for group in ("model", "data", "finetuning")}
+    rl_stage = built["finetuning"].spec.rl if purpose == "train" else None
+    if rl_stage is not None:  # the stage's own defaults for the keys the config leaves out
+        _defaults(grouped["generating"], dict(rl_stage.sampling_defaults), given)
+    built["generating"] = _build("generating", grouped["generating"], origin, source)
+    built["training"] = TrainingOptions(grouped["training"])
+    built["ray"] = _build("ray", grouped["ray"], origin, source)
+    if rl_stage is not None and rl_stage.rl_defaults is not None:
+        stage_defaults = rl_stage.load_rl_defaults()(given, built["training"], built["ray"], built["generating"])
+        _defaults(grouped["rl"], stage_defaults, given)
+    for group in ("rl", "inference", "export", "serve"):
+        built[group] = _build(group, grouped[group], origin, source)
+    run = RunConfig(**built, raw=raw, source=source, notes=notes)
     _check_and_resolve(run, lambda key: origin.get(key, source), purpose)
     return run
+
+
+def _defaults(group: dict[str, Any], defaults: typing.Mapping[str, Any], given: dict[str, Any]) -> None:
+    group.update((key, value) for key, value in defaults.items() if key not in given)
 
 
 def parse_override(text: str) -> tuple[str, Any]:
@@ -321,10 +332,7 @@ def _build(group: str, kwargs: dict[str, Any], origin: dict[str, str], source: s
 
 def _check_and_resolve(run: RunConfig, where: typing.Callable[[str], str], purpose: str = "train") -> None:
     model, tuning, data, training = run.model, run.finetuning, run.data, run.training.values
-    try:
-        stage = get_stage(tuning.stage)  # a stage whose recipe is not built yet is refused before any work
-    except UnknownStageError as exc:
-        raise ConfigError(f"{exc} Change stage in {where('stage')}.") from None
+    stage = tuning.spec  # FinetuningArguments refused a name the stage table lacks
     is_rl = stage.launch == "rl_controller" and purpose == "train"
     if is_rl:
         check_rl(run, where)
@@ -339,10 +347,12 @@ def _check_and_resolve(run: RunConfig, where: typing.Callable[[str], str], purpo
             f"lora (that is QLoRA), but finetuning_type is {tuning.finetuning_type!r}: quantized weights "
             "cannot be trained directly. Use finetuning_type: lora, or remove quantization_bit."
         )
+    check_template(data.template)
     resolve_paths(run)  # workers and Serve replicas do not run in this directory
     if purpose != "train":
         check_extras({"quantization_bit": model.quantization_bit}, where)
         return
+    check_planned_work(run, where)
     if data.streaming:
         check_streaming(stage.name, stage.launch, training, where)
     if not training.get("output_dir"):
@@ -377,8 +387,7 @@ def _check_and_resolve(run: RunConfig, where: typing.Callable[[str], str], purpo
                 f"(looked for {os.path.abspath(resume)}). Point it at a checkpoint folder, or remove it."
             )
         training["resume_from_checkpoint"] = os.path.abspath(resume)
-        if not is_rl:  # the RL stages check their own checkpoints (stages/rl/checkpoint.py resolve_resume)
-            check_trainer_checkpoint(training["resume_from_checkpoint"], where)
+        check_trainer_checkpoint(training["resume_from_checkpoint"], where)  # any stage's: one protocol
     training.setdefault("report_to", "none")
     check_extras({"deepspeed": training.get("deepspeed"), "quantization_bit": model.quantization_bit,
                   "rollout_backend": is_rl and run.rl.rollout_backend == "vllm"}, where)

@@ -89,7 +89,7 @@ class Console:
             scorers += cfg.rl.reward_funcs
             self.say(f"  rewards   {' + '.join(scorers)}; {cfg.rl.num_generations} samples per prompt, "
                      f"{cfg.rl.rollout_batch_size} prompts per step")
-            if tuning.stage == "ppo" and cfg.rl.uses_critic:
+            if "critic" in tuning.spec.rl.roles(tuning, cfg.rl):
                 from stages.rl.critic import critic_source
 
                 self.say(f"  critic    {ray_args.critic_num_workers} worker(s) from the {critic_source(cfg)} model, "

@@ -13,6 +13,7 @@ from .config import ConfigError, RunConfig, load_config
 from .console import Console
 from .finished_run import finished_run
 from .output_checks import check_output_dirs
+from .training_checks import planned_work
 
 logger = logging.getLogger(__name__)
 
@@ -45,18 +46,18 @@ def run_exp(
     from stages.loading import check_model_fits
 
     output_dir = cfg.training.output_dir
-    do_train, do_predict = _planned_work(cfg)
+    do_train, do_predict = planned_work(cfg.training.values)  # load_config checked that there is work
     finished = finished_run(cfg)
     if finished is not None:  # before anything is written: the outputs stay as they were
         console.say(f"rayfactory: {finished}")
         return RunResult(os.path.abspath(output_dir), {}, None, {"finished": True})
 
-    # Mistakes that need no cluster fail before Ray starts: model path, template, datasets.
+    # Mistakes that need no cluster fail before Ray starts: model path, tokenizer, datasets.
     # Model facts are resolved once, here: the driver tokenizes (through Ray Data) with this
     # tokenizer and template, and the workers load the template by its resolved name.
     tokenizer, template = tokenizer_and_template(cfg)
     configured_template = cfg.data.template  # prediction alone keeps a model folder's saved template
-    cfg.data.template = template.name  # `template: auto` pinned for the workers and the saved config
+    cfg = cfg.with_template(template.name)  # `template: auto` pinned for the workers and the saved config
     spec = cfg.job_spec()
     if do_train:
         check_model_fits(cfg.model, cfg.finetuning)
@@ -108,39 +109,6 @@ def run_exp(
     return RunResult(os.path.abspath(output_dir), metrics, checkpoint, data.stats)
 
 
-def _planned_work(cfg: RunConfig) -> tuple[bool, bool]:
-    """(train, predict). transformers defaults do_train to false, but a config that leaves it out
-    trains (as every run here always has); only an explicit ``do_train: false`` skips training."""
-    values = cfg.training.values
-    do_train = bool(values.get("do_train", True))
-    do_predict = bool(values.get("do_predict", False))
-    if not do_predict:
-        if not do_train:
-            raise ConfigError(
-                "do_train is false and do_predict is not set, so this run has nothing to do. Set do_train: true to "
-                "train, or do_predict: true with predict_with_generate: true and eval_dataset to predict."
-            )
-        return do_train, False
-    stage = cfg.finetuning.stage
-    if stage != "sft":
-        raise ConfigError(
-            f"do_predict is true for stage {stage!r}, but prediction (generated_predictions.jsonl and its BLEU/ROUGE "
-            "scores) is built for stage sft only. Remove do_predict, or predict with a separate config that has "
-            "stage: sft and the trained output as adapter_name_or_path (lora) or model_name_or_path."
-        )
-    if not values.get("predict_with_generate"):
-        raise ConfigError(
-            "do_predict is true but predict_with_generate is not: predictions here are generated replies scored "
-            "with BLEU and ROUGE. Set predict_with_generate: true."
-        )
-    if not cfg.data.eval_dataset:
-        raise ConfigError(
-            "do_predict is true but eval_dataset is not set, so there are no rows to predict. Set eval_dataset to "
-            "one or more names from dataset_info.json (e.g. eval_dataset: arith_eval)."
-        )
-    return do_train, True
-
-
 def _predict(cfg: RunConfig, console: Console, trained: bool, template: Optional[str] = None):
     """Generate replies for the eval rows with the trained output, or (``trained`` false) with the
     config's own model and adapters under the template the config names (``template``)."""
@@ -158,17 +126,10 @@ def _predict(cfg: RunConfig, console: Console, trained: bool, template: Optional
 
 def tokenizer_and_template(cfg: RunConfig):
     """The tokenizer and template, or a ConfigError that says which setting is wrong."""
-    from registries.templates import get_template
-    from registries.templates.autodetect import AUTO
     from stages.loading import load_tokenizer_and_template
 
     check_local_paths(cfg)
     path = cfg.model.model_name_or_path
-    if cfg.data.template not in (None, AUTO):
-        try:
-            get_template(cfg.data.template)
-        except ValueError as exc:  # the only error get_template raises: an unknown name
-            raise ConfigError(f"template: {exc}") from None
     try:
         return load_tokenizer_and_template(cfg.model, cfg.data)
     except OSError as exc:  # transformers: no tokenizer files there, or the hub cannot serve the id

@@ -5,9 +5,11 @@ its last step would otherwise resume at that step and train on: the HF Trainer t
 step past ``max_steps`` and writes checkpoint-N+1, the RL loop evaluates and saves again. The
 check runs before anything is written (the run's log and saved config included), for every stage.
 
+The checkpoint is the one the run would resume from (stages/checkpoint_files.py ``resolve_resume``,
+the resolver of every stage, so a bad explicit folder is refused here, before anything is written).
 When is the run finished: the checkpoint's step has reached ``max_steps`` when the config sets
-it; without ``max_steps``, the total the run planned (recorded in the checkpoint) when nothing
-that decides that total (epochs, data, batch sizes, workers) differs from the saved config.
+it; without ``max_steps``, the total the run planned (recorded in the checkpoint's manifest) when
+nothing that decides that total (epochs, data, batch sizes, workers) differs from the saved config.
 Raising ``max_steps`` or ``num_train_epochs`` trains on from the checkpoint, as before.
 """
 
@@ -18,7 +20,7 @@ from typing import Optional
 
 import yaml
 
-from stages.checkpoint_files import checkpoint_progress, latest_committed
+from stages.checkpoint_files import checkpoint_progress, resolve_resume
 
 # The keys that decide how many steps an epoch-counted run has: equal to the saved config's, the
 # checkpoint's recorded total is this config's too.
@@ -32,7 +34,7 @@ def finished_run(cfg) -> Optional[str]:
     output_dir = cfg.training.output_dir
     if not requested or not cfg.training.values.get("do_train", True):  # prediction alone trains nothing anyway
         return None
-    checkpoint = _resume_point(cfg, requested, output_dir)
+    checkpoint = resolve_resume(requested, output_dir)
     progress = checkpoint_progress(checkpoint) if checkpoint else None
     if progress is None:
         return None
@@ -49,16 +51,6 @@ def finished_run(cfg) -> Optional[str]:
     return (f"{output_dir} holds a finished run: {os.path.basename(checkpoint)} is step {step} of {planned}, so "
             f"resume_from_checkpoint: {requested} leaves nothing to train; nothing was trained and the outputs are as "
             "they were. Raise max_steps or num_train_epochs to train on, or choose another output_dir to start over.")
-
-
-def _resume_point(cfg, requested: str, output_dir: str) -> Optional[str]:
-    if requested != "auto":
-        return requested if os.path.isdir(requested) else None
-    if cfg.job_spec().stage.launch == "rl_controller":
-        from stages.rl.checkpoint import latest_checkpoint
-
-        return latest_checkpoint(output_dir)
-    return latest_committed(output_dir)
 
 
 def _same_plan(cfg, output_dir: str) -> bool:

@@ -190,6 +190,22 @@ def _token_available(env: Mapping[str, str]) -> bool:
     return os.path.isfile(path)
 
 
+def config_mistake(config_path: str, overrides: Iterable[str] = ()) -> str | None:
+    """The paragraph ``rayfactory train`` would refuse the config with (load_config's), else None."""
+    from registries.errors import find_user_error
+
+    from .config import load_config
+
+    try:
+        load_config(config_path, list(overrides))
+    except Exception as exc:  # noqa: BLE001 (only user errors are answered; the rest re-raises)
+        mistake = find_user_error(exc)
+        if mistake is None:
+            raise
+        return str(mistake)
+    return None
+
+
 def config_notes(config_path: str, overrides: Iterable[str] = ()) -> list[str]:
     """Warnings about paths that mean something else inside a job than on this machine."""
     import yaml
@@ -265,6 +281,10 @@ def run_submit(args: argparse.Namespace) -> int:
     if not os.path.isfile(args.config):
         print(f"rayfactory submit: error: config file {args.config} not found (looked for "
               f"{os.path.abspath(args.config)}).", file=sys.stderr)
+        return USER_ERROR_EXIT
+    mistake = config_mistake(args.config, args.overrides)
+    if mistake is not None:  # the job would refuse it with this paragraph: nothing is sent
+        print(f"rayfactory submit: error: {mistake}", file=sys.stderr)
         return USER_ERROR_EXIT
     try:
         command = build_submit_command(

@@ -4,16 +4,13 @@ instead of a traceback from every Ray Train worker."""
 from __future__ import annotations
 
 import json
-import logging
 import os
 import typing
 
 from stages.args import TrainingOptions, TrainingOptionsError
-from stages.checkpoint_files import MANIFEST_NAME, TRAINER_STATE_FILE, has_manifest, verify_checkpoint
+from stages.checkpoint_files import ResumeError, check_resumable
 
 from .config_types import ConfigError
-
-logger = logging.getLogger(__name__)
 
 # (key, test, what the value must be): ranges transformers itself does not check up front.
 _RANGES = (
@@ -46,6 +43,58 @@ def check_training_options(options: TrainingOptions, where: typing.Callable[[str
         raise ConfigError(f"{exc} (set in {' / '.join(places)})") from None
 
 
+def planned_work(values: dict) -> tuple[bool, bool]:
+    """(train, predict). transformers defaults do_train to false, but a config that leaves it out
+    trains (as every run here always has); only an explicit ``do_train: false`` skips training."""
+    return bool(values.get("do_train", True)), bool(values.get("do_predict", False))
+
+
+def check_planned_work(run, where: typing.Callable[[str], str]) -> None:
+    """A run has something to do, and prediction has what it needs."""
+    from stages.table import stages_where
+
+    values = run.training.values
+    do_train, do_predict = planned_work(values)
+    if not do_predict:
+        if not do_train:
+            raise ConfigError(
+                f"do_train is false in {where('do_train')} and do_predict is not set, so this run has nothing to do. "
+                "Set do_train: true to train, or do_predict: true with predict_with_generate: true and eval_dataset "
+                "to predict."
+            )
+        return
+    stage, predictors = run.finetuning.stage, stages_where("predicts")
+    if not run.finetuning.spec.predicts:
+        raise ConfigError(
+            f"do_predict is true in {where('do_predict')} for stage {stage!r}, but prediction "
+            f"(generated_predictions.jsonl and its BLEU/ROUGE scores) is built for stage {predictors} only. Remove "
+            f"do_predict, or predict with a separate config that has stage: {predictors} and the trained output as "
+            "adapter_name_or_path (lora) or model_name_or_path."
+        )
+    if not values.get("predict_with_generate"):
+        raise ConfigError(
+            f"do_predict is true in {where('do_predict')} but predict_with_generate is not: predictions here are "
+            "generated replies scored with BLEU and ROUGE. Set predict_with_generate: true."
+        )
+    if not run.data.eval_dataset:
+        raise ConfigError(
+            f"do_predict is true in {where('do_predict')} but eval_dataset is not set, so there are no rows to "
+            "predict. Set eval_dataset to one or more names from dataset_info.json (e.g. eval_dataset: arith_eval)."
+        )
+
+
+def check_template(name: str | None) -> None:
+    """A named template exists (``auto`` and unset are resolved from the tokenizer when the run loads it)."""
+    from registries.templates import get_template
+    from registries.templates.autodetect import AUTO
+
+    if name not in (None, AUTO):
+        try:
+            get_template(name)
+        except ValueError as exc:  # the only error get_template raises: an unknown name
+            raise ConfigError(f"template: {exc}") from None
+
+
 def check_streaming(stage_name: str, launch: str, values: dict, where: typing.Callable[[str], str]) -> None:
     """streaming: true trains from a stream with no known length, so the run needs a step count,
     and only the Ray Train stages read their data that way (RL stages sample prompts on the driver)."""
@@ -64,33 +113,13 @@ def check_streaming(stage_name: str, launch: str, values: dict, where: typing.Ca
 
 
 def check_trainer_checkpoint(path: str, where: typing.Callable[[str], str]) -> None:
-    """An explicit ``resume_from_checkpoint`` of an HF Trainer stage must be a committed checkpoint:
-    its manifest (stages/checkpoint_files.py) lists every file with its size. One without a manifest
-    but with trainer_state.json predates manifests (or comes from another tool): it is taken as it
-    is, with a warning, since it cannot be checked. ``auto`` is resolved on the workers instead."""
-    reason = verify_checkpoint(path)
-    if reason is None:
-        return
-    place = where("resume_from_checkpoint")
-    if not has_manifest(path):
-        if os.path.isfile(os.path.join(path, TRAINER_STATE_FILE)):
-            logger.warning(
-                "resume_from_checkpoint %s has no %s (it was written before checkpoints had manifests, or by "
-                "another tool), so whether every file in it is complete cannot be checked; resuming from it as it is.",
-                path, MANIFEST_NAME)
-            return
-        raise ConfigError(
-            f"resume_from_checkpoint {path} in {place} is not a complete checkpoint: it has neither {MANIFEST_NAME} "
-            f"nor {TRAINER_STATE_FILE}, so either it is not a checkpoint-N folder of an HF Trainer run or that run "
-            "stopped while writing it. Point resume_from_checkpoint at a checkpoint-N folder that has them, or set "
-            "resume_from_checkpoint: auto to resume from the newest complete checkpoint in output_dir."
-        )
-    raise ConfigError(
-        f"resume_from_checkpoint {path} in {place} is a half-written checkpoint: {reason}. A file was cut short or "
-        "lost after the checkpoint was committed (a full disk, a copy or a crash), so resuming from it would load "
-        "broken state. Point resume_from_checkpoint at an earlier checkpoint-N folder, or set "
-        "resume_from_checkpoint: auto to resume from the newest complete checkpoint in output_dir."
-    )
+    """An explicit ``resume_from_checkpoint`` must be a committed checkpoint (stages/checkpoint_files.py
+    ``check_resumable``, the check every stage's resolver makes at launch too), refused here before
+    any work. ``auto`` is resolved at launch: output_dir may only get its checkpoints later."""
+    try:
+        check_resumable(path, place=where("resume_from_checkpoint"))
+    except ResumeError as exc:
+        raise ConfigError(str(exc)) from None
 
 
 def read_deepspeed_config(training: dict, model, tuning, where: typing.Callable[[str], str]) -> None:

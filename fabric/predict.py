@@ -143,7 +143,7 @@ class _Predictor:
         self.chat = ChatModel(spec)
 
     def __call__(self, batch) -> dict[str, list[str]]:
-        from stages.inference.engine import PromptTooLong
+        from stages.engines.types import PromptTooLong
 
         rows = batch.to_pylist()
         # batch_chat takes one system and tool list: answer the rows that share them together.

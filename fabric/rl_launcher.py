@@ -2,8 +2,9 @@
 
     placement groups (policy bundles; rollout, critic and reward bundles or the policy's own)
     -> policy and critic actor groups (process group, model, optimizer each) and reward actors
-    -> vLLM engines -> the stage's recipe (stages/grpo.py, stages/ppo.py) -> release everything,
-    also on failure.
+    -> vLLM engines -> the stage's recipe (its stage table entry's runner) -> release everything,
+    also on failure. Which roles start, and how many optimizer updates a step makes, is the stage
+    table's ``RLSpec``.
 
 Fault tolerance, as Ray Train's ``max_failures`` for the other stages: when an attempt fails
 (a role actor died, a collective broke), every role is torn down and started again from the
@@ -48,7 +49,7 @@ def launch_rl(spec: JobSpec, ray_args: RayArguments, train_ds: "ray.data.Dataset
               eval_ds: "ray.data.Dataset | None", tokenizer, template,
               progress: Callable[[dict], None] | None = None) -> RLResult:
     from registries.errors import UserError
-    from stages.rl.checkpoint import latest_checkpoint, resolve_resume
+    from stages.checkpoint_files import latest_committed, resolve_resume
 
     prompts = prompt_rows(train_ds, tokenizer)
     eval_prompts = prompt_rows(eval_ds, tokenizer) if eval_ds is not None else []
@@ -66,7 +67,7 @@ def launch_rl(spec: JobSpec, ray_args: RayArguments, train_ds: "ray.data.Dataset
             if ray_args.max_failures != -1 and failures >= ray_args.max_failures:
                 raise
             failures += 1
-            resume = latest_checkpoint(output_dir)
+            resume = latest_committed(output_dir)
             logger.warning("RL attempt failed (%s: %s); restarting every role from %s (failure %d of %s)",
                            type(exc).__name__, exc, resume or "the start", failures,
                            "unlimited" if ray_args.max_failures == -1 else ray_args.max_failures)
@@ -78,8 +79,7 @@ def _attempt(run: RLRun, ray_args: RayArguments) -> dict:
 
     spec, rl = run.spec, run.spec.rl
     steps = count_steps(len(run.prompts), rl.rollout_batch_size, spec.training)
-    updates_per_step = rl.ppo_epochs * rl.ppo_buffer_size if spec.finetuning.stage == "ppo" else rl.num_iterations
-    total_updates = steps * updates_per_step
+    total_updates = steps * spec.stage.rl.updates_per_step(rl)
     roles = role_specs(ray_args, spec)
     placements = place_roles(roles, strategy=ray_args.placement_strategy)
     groups: list[ActorGroup] = []
@@ -103,7 +103,7 @@ def _attempt(run: RLRun, ray_args: RayArguments) -> dict:
             refs += reward.call_all_async(RewardActor.setup)
         gather(refs)
         engines = weight_sync = None
-        if rl.rollout_backend == "vllm":
+        if "rollout" in placements:  # vLLM rollouts; hf ones generate inside the policy workers
             engines, weight_sync = _start_engines(spec, ray_args, placements["rollout"])
             groups.append(engines)
         run.roles = RayRoles(policy, engines, weight_sync, critic=critic, reward=reward)
@@ -123,24 +123,25 @@ def _trainable_group(actor_cls, placement, spec: JobSpec, ray_args: RayArguments
 
 def role_specs(ray_args: RayArguments, spec: JobSpec) -> list[RoleSpec]:
     """The roles and their resources, as the config's placement keys say."""
-    rl, stage = spec.rl, spec.finetuning.stage
+    rl = spec.rl
+    needed = spec.finetuning.spec.rl.roles(spec.finetuning, rl)  # a JobSpec or a RunConfig
     everything = "policy" if ray_args.colocate_all else None
     roles = [RoleSpec("policy", ray_args.ray_num_workers, dict(ray_args.resources_per_worker),
                       num_actors_key="ray_num_workers", resources_key="resources_per_worker")]
-    if rl.rollout_backend == "vllm":
+    if "rollout" in needed:
         shares_all = ray_args.colocate_all and not ray_args.colocate_rollout  # the whole bundle, GPU included
         roles.append(RoleSpec(
             "rollout", ray_args.rollout_num_engines, {} if shares_all else dict(ray_args.rollout_resources),
             colocate_with="policy" if ray_args.colocate_rollout else everything,
             num_actors_key="rollout_num_engines", resources_key="rollout_resources",
         ))
-    critic = stage == "ppo" and rl.uses_critic
+    critic = "critic" in needed
     if critic:
         roles.append(RoleSpec(
             "critic", ray_args.critic_num_workers, {} if everything else dict(ray_args.critic_resources),
             colocate_with=everything, num_actors_key="critic_num_workers", resources_key="critic_resources",
         ))
-    if stage == "ppo" and spec.finetuning.reward_model:
+    if "reward" in needed:
         host = everything or (("critic" if critic else "policy") if ray_args.colocate_critic_reward else None)
         roles.append(RoleSpec(
             "reward", ray_args.reward_num_workers, {} if host else dict(ray_args.reward_resources),
@@ -152,8 +153,9 @@ def role_specs(ray_args: RayArguments, spec: JobSpec) -> list[RoleSpec]:
 def _start_engines(spec: JobSpec, ray_args: RayArguments, placement):
     from stages.loading import resolve_model_path
 
-    from .rollout.vllm_engine import VLLMEngineConfig, engine_runtime_env
-    from .rollout.actor import RolloutActor
+    from stages.engines.vllm_backend import VLLMEngineConfig
+
+    from .rollout import RolloutActor, engine_runtime_env
     from .weight_sync import ObjectStoreSync
 
     rl = spec.rl

@@ -22,7 +22,8 @@ from stages.rl.critic import CriticWorker
 from stages.rl.policy import PolicyWorker
 from stages.rl.reward_model import RewardModelWorker
 from stages.rl.roles import PPORoles
-from stages.rl.types import Completion, RolloutSample, SamplingSpec
+from stages.engines.types import Completion, SamplingSpec
+from stages.rl.types import RolloutSample
 
 from .actor_group import ActorGroup, RoleWorker, concat, gather, split_evenly
 
@@ -51,11 +52,11 @@ class RayRoles(PPORoles):
 
     def generate(self, prompt_ids: list[list[int]], sampling: SamplingSpec) -> list[Completion]:
         if self.engines is not None:
-            from .rollout.actor import RolloutActor
+            from .rollout import RolloutActor
 
-            group, method = self.engines, RolloutActor.generate
+            group, method = self.engines, RolloutActor.generate_batch
         else:
-            group, method = self.policy, PolicyActor.generate
+            group, method = self.policy, PolicyActor.generate_batch
         shards = split_evenly(prompt_ids, group.size)
         results = group.scatter(method, shards, sampling)
         out: list[Completion] = []

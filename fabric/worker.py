@@ -174,19 +174,16 @@ def _report_callback(in_place: bool = False):
 
 def _resume_point(requested: Optional[str], output_dir: str) -> Optional[str]:
     """A restarted worker group resumes from Ray's last reported checkpoint; otherwise the user's
-    ``resume_from_checkpoint``: a checkpoint folder (the config checked it), or ``auto``, the newest
-    checkpoint-N in output_dir whose manifest verifies (stages/checkpoint_files.py); newer ones that
-    fail are skipped with a warning, never loaded. None of them: a fresh start."""
+    ``resume_from_checkpoint`` as every stage resolves it (stages/checkpoint_files.py
+    ``resolve_resume``: ``auto`` is the newest committed checkpoint-N in output_dir, or a fresh start)."""
+    from stages.checkpoint_files import resolve_resume
+
     checkpoint = ray.train.get_checkpoint()
     if checkpoint is not None:
         local = _readable_copy(checkpoint)
         nested = os.path.join(local, RAY_CKPT_SUBDIR)
         return nested if os.path.isdir(nested) else local
-    if requested == "auto":
-        from stages.checkpoint_files import latest_committed
-
-        return latest_committed(output_dir)
-    return requested or None
+    return resolve_resume(requested, output_dir)
 
 
 def _memory_budget(payload: WorkerPayload):

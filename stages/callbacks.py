@@ -1,4 +1,5 @@
-"""Trainer callbacks every stage uses: the jsonl training log (resume-aware)."""
+"""The jsonl training log every stage writes (the HF Trainer's through a callback, the RL loops'
+through stages/rl/steplog.py), and its cut back to a checkpoint's step on resume."""
 
 from __future__ import annotations
 
@@ -20,6 +21,7 @@ class JsonlLogCallback(TrainerCallback):
     """
 
     def __init__(self, output_dir: str):
+        self.output_dir = output_dir
         self.path = os.path.join(output_dir, LOG_FILE)
         self.start_time = 0.0
         self.start_step = 0
@@ -30,20 +32,13 @@ class JsonlLogCallback(TrainerCallback):
         self.start_step = state.global_step
         if not state.is_world_process_zero:
             return
-        os.makedirs(os.path.dirname(self.path), exist_ok=True)
-        kept = []
-        if state.global_step > 0 and os.path.exists(self.path):
-            # The end-of-run summary of a run that stopped at the checkpoint goes too: the resumed
-            # run writes its own, and the log should read like one uninterrupted run.
-            with open(self.path, encoding="utf-8") as f:
-                kept = [
-                    line for line in f
-                    if (record := json.loads(line)).get("current_steps", 0) <= state.global_step
-                    and "train_runtime" not in record
-                ]
-        with open(self.path, "w", encoding="utf-8") as f:
-            f.writelines(kept)
-        self.elapsed_before = json.loads(kept[-1]).get("elapsed_time", 0.0) if kept else 0.0
+        os.makedirs(self.output_dir, exist_ok=True)
+        if state.global_step > 0:
+            truncate_log(self.output_dir, state.global_step)
+        else:
+            open(self.path, "w").close()
+        kept = read_log(self.output_dir)
+        self.elapsed_before = kept[-1].get("elapsed_time", 0.0) if kept else 0.0
 
     def on_log(self, args, state, control, logs=None, **kwargs):
         if not state.is_world_process_zero or not logs:
@@ -65,6 +60,36 @@ class JsonlLogCallback(TrainerCallback):
         if "loss" in record or any(k.startswith(("eval_", "train_")) for k in record):
             with open(self.path, "a", encoding="utf-8") as f:
                 f.write(json.dumps(record) + "\n")
+
+
+def truncate_log(output_dir: str, step: int) -> int:
+    """Keep only the records of ``trainer_log.jsonl`` up to ``step`` (a resumed run writes the later
+    steps again) and return how many were dropped. The end-of-run summary of a run that stopped at
+    the checkpoint goes too (the resumed run writes its own: the log reads like one unbroken run),
+    and so does a line that is not JSON, torn by the crash that ended the run. The file is
+    rewritten atomically; no file: 0."""
+    path = os.path.join(output_dir, LOG_FILE)
+    if not os.path.exists(path):
+        return 0
+    kept, dropped = [], 0
+    with open(path, encoding="utf-8") as f:
+        for line in f:
+            if not line.strip():
+                continue
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError:
+                dropped += 1
+                continue
+            if record.get("current_steps", 0) <= step and "train_runtime" not in record:
+                kept.append(line if line.endswith("\n") else line + "\n")
+            else:
+                dropped += 1
+    temporary = f"{path}.tmp"
+    with open(temporary, "w", encoding="utf-8") as f:
+        f.writelines(kept)
+    os.replace(temporary, path)
+    return dropped
 
 
 def read_log(output_dir: str) -> list[dict]:

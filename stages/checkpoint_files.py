@@ -1,20 +1,27 @@
-"""Checkpoint folders on disk: which ones are complete, which one to resume from, which to delete.
+"""Checkpoints on disk, for every stage: how one is committed, what its manifest says, which one a
+run resumes from, which ones ``save_total_limit`` deletes.
 
-A checkpoint is a folder ``output_dir/checkpoint-N`` (N: the optimizer step). Two writers fill them:
+A checkpoint is a folder ``output_dir/checkpoint-N`` (N: the optimizer step) with a manifest,
+``rayfactory_checkpoint.json``: every file's name and size, the step, and the steps the run
+planned. The manifest is written last, under a temporary name and renamed into place, after every
+file in the folder has reached the disk. A ``checkpoint-N`` whose manifest verifies (every listed
+file there, of the listed size) is *committed*; only committed checkpoints are resumed from,
+counted by ``save_total_limit`` or deleted by it. Sizes catch what a crash or a full disk leaves
+(files cut short or never written), not bit flips; hashing every file on every save would cost
+more than it is worth here.
 
-- The HF Trainer (stages pt, sft, rm, dpo, kto) writes model, optimizer, scheduler, every rank's
-  RNG file and trainer_state.json into the folder in place, so a run killed mid-save, or a disk
-  that filled up, leaves a folder that looks like a checkpoint but is not one. Once every rank has
-  written, rank 0 commits it (stages/hf_checkpoints.py): ``write_manifest`` records every file's
-  name and size in ``rayfactory_checkpoint.json``, written under a temporary name and renamed into
-  place. That rename is the commit point; ``verify_checkpoint`` compares a folder with its
-  manifest, and a folder that fails (no manifest, a file missing, a file of another size) is never
-  resumed from. Sizes catch what a crash or a full disk leaves (files cut short or never written),
-  not bit flips; hashing every file on every save would cost more than it is worth here.
-- The RL stages (stages/rl/checkpoint.py) build the folder under a staging name and rename it
-  whole; its marker file ``rl_state.json`` is what they look for.
+Two writers, one ``commit_checkpoint``:
 
-Both use this module's listing by step, atomic JSON write and ``save_total_limit`` pruning.
+- The HF Trainer (stages pt, sft, rm, dpo, kto, on Ray Train workers) writes ``checkpoint-N`` in
+  place; once every rank has written, rank 0 commits it there (stages/hf_checkpoints.py).
+- The RL loops (stages grpo, ppo, in the driver: stages/rl/loop.py) have the roles write into a
+  hidden ``staging_folder``; committing it writes the manifest there and renames the folder to
+  ``checkpoint-N``, so no half-written ``checkpoint-N`` ever appears.
+
+``resolve_resume`` turns ``resume_from_checkpoint`` into the folder to resume from (``auto``: the
+newest committed one) for both; ``uncommit_after`` takes the checkpoints of a replaced run out of
+``auto``'s reach when a run starts; ``checkpoint_progress`` reads a checkpoint's step and planned
+total (cluster/finished_run.py).
 """
 
 from __future__ import annotations
@@ -26,13 +33,18 @@ import re
 import shutil
 from typing import Iterable
 
+from registries.errors import UserError
+
 logger = logging.getLogger(__name__)
 
 CHECKPOINT_PREFIX = "checkpoint-"
 MANIFEST_NAME = "rayfactory_checkpoint.json"  # written last, by rename: its presence commits the folder
-MANIFEST_FORMAT = 1
+MANIFEST_FORMAT = 2  # 2 added total_steps; a format-1 manifest (no total) still verifies
 TRAINER_STATE_FILE = "trainer_state.json"  # transformers' TRAINER_STATE_NAME, the file the HF Trainer writes last
-RL_STATE_FILE = "rl_state.json"  # the RL stages' controller state, written last (stages/rl/checkpoint.py)
+RL_STATE_FILE = "rl_state.json"  # the RL loops' controller state (stages/rl/checkpoint.py)
+# Each kind of checkpoint's state file and the key of the run's planned total in it: what a checkpoint
+# without a manifest, or with a format-1 one, is recognised and read by.
+STATE_FILES = {TRAINER_STATE_FILE: "max_steps", RL_STATE_FILE: "total_steps"}
 _CHECKPOINT_NAME = re.compile(re.escape(CHECKPOINT_PREFIX) + r"(\d+)")
 _TEMPORARY_SUFFIX = ".tmp"
 
@@ -65,7 +77,7 @@ def write_json_atomically(path: str, value) -> None:
     os.replace(temporary, path)
 
 
-# ----- the manifest of an HF Trainer checkpoint -----
+# ----- commit: the manifest -----
 
 def _files_of(folder: str) -> dict[str, int]:
     """Every file under ``folder`` (DeepSpeed writes a global_stepN/ subfolder) as relative POSIX
@@ -88,16 +100,50 @@ def _fsync(path: str) -> None:
         os.close(fd)
 
 
-def write_manifest(folder: str, step: int) -> dict:
-    """Commit ``folder``: flush every file in it to disk, then write the manifest (file names and
-    sizes) by rename. Call it once every rank has finished writing the folder. Returns the manifest."""
+def write_manifest(folder: str, step: int, total_steps: int | None = None) -> dict:
+    """Flush every file in ``folder`` to disk, then write the manifest (file names and sizes, the
+    step, the run's planned ``total_steps``) by rename. Returns the manifest."""
     files = _files_of(folder)
     for relative in files:  # so that a power cut after the commit cannot leave a committed folder short
         _fsync(os.path.join(folder, relative))
-    manifest = {"format": MANIFEST_FORMAT, "step": step, "files": files}
+    manifest = {"format": MANIFEST_FORMAT, "step": step, "total_steps": total_steps, "files": files}
     write_json_atomically(os.path.join(folder, MANIFEST_NAME), manifest)
     _fsync(folder)  # the rename itself
     return manifest
+
+
+def staging_folder(output_dir: str, step: int) -> str:
+    """A fresh, empty folder to write step ``step``'s checkpoint into before ``commit_checkpoint``
+    names it. Hidden and not matching ``checkpoint-N``, so nothing that lists checkpoints sees it; a
+    leftover of a run that died while saving this step is removed first."""
+    staging = os.path.join(output_dir, f".{CHECKPOINT_PREFIX}{step}.partial")
+    if os.path.exists(staging):
+        shutil.rmtree(staging)
+    os.makedirs(staging)
+    return staging
+
+
+def commit_checkpoint(folder: str, step: int, total_steps: int | None = None, save_total_limit: int | None = None,
+                      keep: Iterable[str | None] = ()) -> str:
+    """Commit the checkpoint of step ``step`` written in ``folder`` and return its ``checkpoint-N`` path.
+
+    ``folder`` is that path itself (written in place: the manifest's rename commits it) or a
+    ``staging_folder`` (the manifest is written there, then the folder is renamed to
+    ``checkpoint-N``, replacing an earlier attempt at the step, e.g. of a run this one replaced).
+    Then committed checkpoints beyond ``save_total_limit`` are deleted, oldest first, never the
+    one just committed nor those in ``keep`` (the best model's). Call it once every writer is done.
+    """
+    output_dir = os.path.dirname(os.path.abspath(folder))
+    final = checkpoint_path(output_dir, step)
+    write_manifest(folder, step, total_steps)
+    if os.path.abspath(folder) != final:
+        if os.path.exists(final):
+            uncommit(final)  # so that a crash inside rmtree leaves nothing that looks committed
+            shutil.rmtree(final)
+        os.replace(folder, final)
+        _fsync(output_dir)
+    prune_checkpoints(committed_checkpoints(output_dir), save_total_limit, protected=(final, *keep))
+    return final
 
 
 def uncommit(folder: str) -> bool:
@@ -113,6 +159,11 @@ def has_manifest(folder: str) -> bool:
     return os.path.isfile(os.path.join(folder, MANIFEST_NAME))
 
 
+def _load_manifest(folder: str) -> dict:
+    with open(os.path.join(folder, MANIFEST_NAME), encoding="utf-8") as f:
+        return json.load(f)
+
+
 def verify_checkpoint(folder: str) -> str | None:
     """None when ``folder`` holds every file its manifest lists, each of the listed size; otherwise
     the reason in one line, e.g. "model.safetensors is 1200 bytes, the manifest says 4960"."""
@@ -122,8 +173,7 @@ def verify_checkpoint(folder: str) -> str | None:
         return (f"it has no {MANIFEST_NAME}, so it was never committed (the run stopped while writing it, "
                 "or it was written before checkpoints had manifests)")
     try:
-        with open(os.path.join(folder, MANIFEST_NAME), encoding="utf-8") as f:
-            files = json.load(f)["files"]
+        files = _load_manifest(folder)["files"]
     except (OSError, ValueError, KeyError, TypeError) as exc:
         return f"its {MANIFEST_NAME} cannot be read ({type(exc).__name__}: {exc})"
     for relative, size in files.items():
@@ -134,6 +184,21 @@ def verify_checkpoint(folder: str) -> str | None:
         if actual != size:
             return f"{relative} is {actual} bytes, the manifest says {size}"
     return None
+
+
+def uncommit_after(output_dir: str, step: int) -> list[str]:
+    """Uncommit every ``checkpoint-N`` in ``output_dir`` with N beyond ``step``, where a run starts
+    (0: fresh); return them. They belong to a run this one replaces (it resumed from an earlier
+    checkpoint, or started over in the same output_dir): ``auto`` must not resume the old run from
+    them after this one dies, and an old manifest must not vouch for a folder of the same step that
+    this run writes in place. The files stay, for whoever wants to look at them."""
+    replaced = [path for n, path in checkpoint_folders(output_dir) if n > step and uncommit(path)]
+    if replaced:
+        logger.warning(
+            "%d checkpoint(s) in %s lie beyond step %d, where this run starts, so they belong to the run it replaces: "
+            "uncommitted (auto no longer resumes from them; a save of the same step overwrites them): %s",
+            len(replaced), output_dir, step, ", ".join(os.path.basename(path) for path in replaced))
+    return replaced
 
 
 def committed_checkpoints(output_dir: str) -> list[tuple[int, str]]:
@@ -154,11 +219,71 @@ def latest_committed(output_dir: str) -> str | None:
     return None
 
 
+# ----- resume -----
+
+class ResumeError(UserError):
+    """A checkpoint that cannot be resumed from: missing, half-written, or from another setup."""
+
+
+_warned_unverifiable: set[str] = set()  # each such folder's warning once per process, not once per check
+
+
+def check_resumable(path: str, place: str | None = None) -> None:
+    """Raise ResumeError, a paragraph naming ``path`` (and ``place``, where the config set it),
+    unless ``path`` is a committed checkpoint. One written before checkpoints had manifests (or by
+    another tool) but with its stage's state file is taken as it is, with a warning, since it
+    cannot be checked; ``auto`` never picks such a folder."""
+    reason = verify_checkpoint(path)
+    if reason is None:
+        return
+    named = f"resume_from_checkpoint {path}" + (f" in {place}" if place else "")
+    also = "or set resume_from_checkpoint: auto to resume from the newest committed checkpoint in output_dir."
+    if not os.path.isdir(path):
+        raise ResumeError(f"{named} does not exist. Point resume_from_checkpoint at a {CHECKPOINT_PREFIX}N folder, "
+                          + also)
+    if not has_manifest(path):
+        if any(os.path.isfile(os.path.join(path, name)) for name in STATE_FILES):
+            if path not in _warned_unverifiable:
+                _warned_unverifiable.add(path)
+                logger.warning(
+                    "resume_from_checkpoint %s has no %s (it was written before checkpoints had manifests, or by "
+                    "another tool), so whether every file in it is complete cannot be checked; resuming from it as "
+                    "it is.", path, MANIFEST_NAME)
+            return
+        raise ResumeError(
+            f"{named} is not a complete checkpoint: it has neither {MANIFEST_NAME} nor a state file "
+            f"({' or '.join(STATE_FILES)}), so either it is not a {CHECKPOINT_PREFIX}N folder of a training run or "
+            f"that run stopped while writing it. Point resume_from_checkpoint at a {CHECKPOINT_PREFIX}N folder that "
+            f"has {MANIFEST_NAME}, {also}")
+    raise ResumeError(
+        f"{named} is a half-written checkpoint: {reason}. A file was cut short or lost after the checkpoint was "
+        "committed (a full disk, a copy or a crash), so resuming from it would load broken state. Point "
+        f"resume_from_checkpoint at an earlier {CHECKPOINT_PREFIX}N folder, {also}")
+
+
+def resolve_resume(requested: str | None, output_dir: str) -> str | None:
+    """The checkpoint folder a run resumes from, or None for a fresh start; the one resolver of
+    every stage. ``requested`` is ``resume_from_checkpoint``: None or "" (fresh), ``auto`` (the
+    newest committed checkpoint in ``output_dir``, if any), or a folder, which must pass
+    ``check_resumable``."""
+    if not requested:
+        return None
+    if requested == "auto":
+        return latest_committed(output_dir)
+    check_resumable(requested)
+    return requested
+
+
 def checkpoint_progress(folder: str) -> tuple[int, int | None] | None:
-    """(the step a checkpoint was taken at, the total steps its run planned), from the state file
-    either kind of checkpoint carries (trainer_state.json: global_step, max_steps; rl_state.json:
-    global_step, total_steps); None for a folder with neither."""
-    for name, total_key in ((TRAINER_STATE_FILE, "max_steps"), (RL_STATE_FILE, "total_steps")):
+    """(the step a checkpoint was taken at, the total steps its run planned) from its manifest, or
+    from its state file where the manifest has no total (written before format 2, or none at all);
+    None for a folder with neither."""
+    try:
+        manifest = _load_manifest(folder)
+        return int(manifest["step"]), int(manifest["total_steps"])
+    except (OSError, ValueError, KeyError, TypeError):  # none, format 1 (no total), or unreadable
+        pass
+    for name, total_key in STATE_FILES.items():
         path = os.path.join(folder, name)
         if os.path.isfile(path):
             with open(path, encoding="utf-8") as f:
@@ -195,7 +320,8 @@ def prune_checkpoints(complete: list[tuple[int, str]], save_total_limit: int | N
 
 
 __all__ = [
-    "CHECKPOINT_PREFIX", "MANIFEST_NAME", "TRAINER_STATE_FILE", "checkpoint_folders", "checkpoint_path", "committed_checkpoints",
-    "has_manifest", "latest_committed", "prune_checkpoints", "uncommit", "verify_checkpoint", "write_json_atomically",
-    "write_manifest",
+    "CHECKPOINT_PREFIX", "MANIFEST_NAME", "RL_STATE_FILE", "ResumeError", "TRAINER_STATE_FILE", "check_resumable",
+    "checkpoint_folders", "checkpoint_path", "checkpoint_progress", "commit_checkpoint", "committed_checkpoints",
+    "has_manifest", "latest_committed", "prune_checkpoints", "resolve_resume", "staging_folder", "uncommit",
+    "uncommit_after", "verify_checkpoint", "write_json_atomically", "write_manifest",
 ]

@@ -21,7 +21,8 @@ from .rl.loop import (RunProgress, count_steps, greedy_samples, reward_columns, 
 from .rl.rewards import RewardSet, load_reward_funcs
 from .rl.roles import RLRun
 from .rl.steplog import PhaseTimer
-from .rl.types import RolloutSample, SamplingSpec
+from .engines.types import SamplingSpec
+from .rl.types import RolloutSample
 
 logger = logging.getLogger(__name__)
 

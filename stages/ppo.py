@@ -28,7 +28,8 @@ from .rl.rewards import load_reward_funcs
 from .rl.roles import PPORoles, PromptRow, RLRun
 from .rl.steplog import PhaseTimer
 from .rl.trainable import completion_mask, pad_rows
-from .rl.types import RolloutSample, SamplingSpec
+from .engines.types import SamplingSpec
+from .rl.types import RolloutSample
 
 logger = logging.getLogger(__name__)
 

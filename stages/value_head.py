@@ -1,4 +1,4 @@
-"""A causal LM with a scalar value head: the reward model of stage rm (and what PPO will score with).
+"""A causal LM with a scalar value head: the reward model of stage rm (and what PPO scores with).
 
 The head is one ``Linear(hidden_size, 1)`` on the last layer's hidden states; a sequence's score
 is the value at its last real (non-padding) token. On disk a reward model is the causal LM as

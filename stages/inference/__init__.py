@@ -1,2 +1,2 @@
-"""Inference: load a trained output and generate from it (ChatModel), merge LoRA (export),
-score generations (predict metrics). Engines behind one interface: transformers and vLLM."""
+"""Inference: load a trained output and generate from it (ChatModel, over the engines of
+stages/engines), merge LoRA (export), score generations (predict metrics)."""

@@ -20,7 +20,7 @@ from typing import Any, AsyncIterator, Iterator, Optional
 from registries.errors import UserError
 from registries.templates.tools import FunctionCall
 
-from .engine import DecodingParams, Engine, GenerationRequest, TokenLogprob
+from ..engines.types import Engine, GenerationRequest, SamplingSpec
 from .loading import InferenceSpec, load_hf_model, load_tokenizer_and_template
 
 # LLaMA-Factory's per-call generation keys, plus the OpenAI-style ones a server passes.
@@ -31,6 +31,16 @@ GENERATION_KEYS = ("do_sample", "temperature", "top_p", "top_k", "max_new_tokens
 
 class ChatInputError(UserError):
     """A conversation or setting a caller got wrong (servers answer it with a 400)."""
+
+
+@dataclass(frozen=True)
+class TokenLogprob:
+    """log p of a generated token under the unmodified model (log_softmax of the raw logits),
+    and the ``top`` most likely tokens at that step (token id -> log p), most likely first."""
+
+    token_id: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()
 
 
 @dataclass
@@ -83,9 +93,9 @@ class ChatModel:
         except ValueError as exc:  # the template's own checks: roles out of order, bad tool JSON
             raise ChatInputError(str(exc)) from None
 
-    def decoding(self, **settings: Any) -> DecodingParams:
+    def sampling(self, **settings: Any) -> SamplingSpec:
         """The config's generation settings with per-call overrides (None means: the config's).
-        temperature 0 means greedy, as OpenAI clients use it."""
+        ``do_sample: false`` or temperature 0 means greedy, as OpenAI clients use it."""
         gen = self.spec.generating
         values = {"do_sample": gen.do_sample, "temperature": gen.temperature, "top_p": gen.top_p, "top_k": gen.top_k,
                   "max_new_tokens": gen.max_new_tokens, "repetition_penalty": gen.repetition_penalty, "seed": None}
@@ -93,11 +103,14 @@ class ChatModel:
         if unknown:
             raise ChatInputError(f"unknown generation setting(s) {sorted(unknown)}; known: {', '.join(GENERATION_KEYS)}.")
         values.update({k: v for k, v in settings.items() if v is not None})
-        if values["temperature"] is not None and values["temperature"] <= 0:
-            values["do_sample"] = False
         if values["max_new_tokens"] < 1:
             raise ChatInputError(f"max_new_tokens must be at least 1, got {values['max_new_tokens']}.")
-        return DecodingParams(stop_token_ids=self.stop_token_ids, **values)
+        greedy = not values.pop("do_sample") or values["temperature"] is None or values["temperature"] <= 0
+        return SamplingSpec(
+            temperature=0.0 if greedy else values["temperature"], top_p=values["top_p"], top_k=values["top_k"],
+            repetition_penalty=values["repetition_penalty"], max_tokens=values["max_new_tokens"],
+            stop_token_ids=self.stop_token_ids, seed=values["seed"], logprobs=None,
+        )
 
     def request(self, messages, system=None, tools=None, *, adapter=None, n=1, stop=(), logprobs=None,
                 **settings) -> GenerationRequest:
@@ -105,8 +118,8 @@ class ChatModel:
             raise ChatInputError(f"unknown adapter {adapter!r}; this model has {list(self.engine.adapters) or 'none'}.")
         if n < 1:
             raise ChatInputError(f"n must be at least 1, got {n}.")
-        params = replace(self.decoding(**settings), stop_strings=tuple(stop or ()))
-        return GenerationRequest(tuple(self.prompt_ids(messages, system, tools)), params, n, adapter, logprobs)
+        sampling = replace(self.sampling(**settings), n=n, stop_strings=tuple(stop or ()), logprobs=logprobs)
+        return GenerationRequest(tuple(self.prompt_ids(messages, system, tools)), sampling, adapter)
 
     # --- async API (servers) ---------------------------------------------------------------
 
@@ -127,13 +140,13 @@ class ChatModel:
         """The whole replies to a request built by ``arequest`` (tools: to parse the replies' calls).
         ``on_start()`` is called when the engine hands over the first token (a server's time budget
         counts from then, not from the wait behind other requests)."""
-        replies = {i: _Reply(self, request, i) for i in range(request.n)}
+        replies = {i: _Reply(self, request, i) for i in range(request.sampling.n)}
         async for _ in self._deltas(request, replies, on_start):
             pass
-        return [replies[i].response(tools) for i in range(request.n)]
+        return [replies[i].response(tools) for i in range(request.sampling.n)]
 
     async def stream_request(self, request: GenerationRequest, on_start=None) -> AsyncIterator[ChatDelta]:
-        replies = {i: _Reply(self, request, i) for i in range(request.n)}
+        replies = {i: _Reply(self, request, i) for i in range(request.sampling.n)}
         async for delta in self._deltas(request, replies, on_start):
             yield delta
 
@@ -242,10 +255,10 @@ class _Reply:
     def __init__(self, chat: ChatModel, request: GenerationRequest, index: int):
         self.chat, self.request, self.index = chat, request, index
         self.token_ids: list[int] = []
-        self.logprobs: Optional[list[TokenLogprob]] = [] if request.logprobs is not None else None
+        self.logprobs: Optional[list[TokenLogprob]] = [] if request.sampling.logprobs is not None else None
         self.text = ""  # what has been handed out
         self.finish_reason: Optional[str] = None
-        self.stop_ids = set(request.params.stop_token_ids)
+        self.stop_ids = set(request.sampling.stop_token_ids)
         self.skip_special = chat.spec.generating.skip_special_tokens
         self.reported = 0  # tokens handed out in deltas (held-back steps join the next delta)
 
@@ -254,16 +267,17 @@ class _Reply:
             return None
         self.token_ids += step.token_ids
         if self.logprobs is not None and step.logprobs:
-            self.logprobs += step.logprobs
+            top = step.top_logprobs or [()] * len(step.logprobs)
+            self.logprobs += [TokenLogprob(t, lp, pairs) for t, lp, pairs in zip(step.token_ids, step.logprobs, top)]
         content = [t for t in self.token_ids if t not in self.stop_ids]
         full = self.chat.tokenizer.decode(content, skip_special_tokens=self.skip_special)
         reason = step.finish_reason
-        cut = _first_stop(full, self.request.params.stop_strings)
+        cut = _first_stop(full, self.request.sampling.stop_strings)
         if cut is not None:
             full, reason = full[:cut], "stop"
         elif reason is None:
             # Hold back an unfinished character and anything that may begin a stop string.
-            full = full[: len(full) - _held_back(full, self.request.params.stop_strings)]
+            full = full[: len(full) - _held_back(full, self.request.sampling.stop_strings)]
         new = full[len(self.text):] if full.startswith(self.text) else ""
         self.text += new
         self.finish_reason = reason
@@ -302,10 +316,10 @@ def build_engine(spec: InferenceSpec, tokenizer, template) -> Engine:
     """The configured engine over the spec's model and adapters."""
     backend = spec.inference.infer_backend
     if backend == "vllm":
-        from .vllm_engine import VLLMChatEngine
+        from .vllm_setup import build_vllm_engine
 
-        return VLLMChatEngine.from_spec(spec, tokenizer)
-    from .hf_engine import HFEngine
+        return build_vllm_engine(spec, tokenizer)
+    from ..engines.hf_backend import HFEngine
 
     model, adapters, default = load_hf_model(spec, tokenizer)
     limit = getattr(model.config, "max_position_embeddings", None) or spec.inference.vllm_maxlen

@@ -1,3 +1,4 @@
-"""Pieces every RL stage shares (grpo now, ppo next): the typed RL options, rollout types,
-advantage/KL/loss math, reward functions, the policy worker. Placement-free: fabric/ decides
-where each role runs and hands the recipe its roles."""
+"""Pieces every RL stage (grpo, ppo) shares: the typed RL options, what a rollout sample carries,
+advantage/KL/loss math, reward functions, the policy, critic and reward-model workers, the loop's
+steps and checkpoints. Placement-free: fabric/ decides where each role runs and hands the recipe
+its roles; the rollouts themselves go through stages/engines."""

@@ -7,7 +7,7 @@ same keys LLaMA-Factory and TRL use; ``max_completion_length`` caps each complet
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Literal, Optional
+from typing import Any, Literal, Mapping, Optional
 
 from registries.errors import ArgumentError
 
@@ -95,13 +95,17 @@ class RLArguments:
         if self.vllm_kv_cache_gib <= 0:
             raise ArgumentError("vllm_kv_cache_gib", f"vllm_kv_cache_gib must be positive, got {self.vllm_kv_cache_gib}.")
 
-    def check_for_stage(self, stage: str) -> None:
-        """Rules that depend on the stage (called for RL stages only)."""
-        if self.advantage_estimator == "gae" and stage != "ppo":
+    def check_for_stage(self, stage) -> None:
+        """Rules that depend on the stage's entry in the stage table (an RL stage's)."""
+        from ..table import STAGES
+
+        if self.advantage_estimator == "gae" and not stage.rl.critic:
+            critics = ", ".join(s.name for s in STAGES.values() if s.rl is not None and s.rl.critic)
             raise ArgumentError(
                 "advantage_estimator",
-                f"advantage_estimator gae needs a critic, which only stage ppo trains; stage {stage} compares "
-                "completions of one prompt instead. Use group_norm, dr_grpo, rloo or reinforce_baseline, or stage ppo.",
+                f"advantage_estimator gae needs a critic, which only stage {critics} trains; stage {stage.name} "
+                "compares completions of one prompt instead. Use group_norm, dr_grpo, rloo or reinforce_baseline, "
+                f"or stage {critics}.",
             )
         if self.advantage_estimator in GROUP_ESTIMATORS and self.num_generations < 2:
             raise ArgumentError(
@@ -110,11 +114,11 @@ class RLArguments:
                 f"each other, so num_generations must be at least 2 (got {self.num_generations}). "
                 "Set num_generations: 4 (or more).",
             )
-        if stage == "grpo" and not self.reward_funcs:
+        if not stage.rl.reward_model and not self.reward_funcs:  # reward functions are its only scorer
             raise ArgumentError(
                 "reward_funcs",
-                "stage grpo needs reward_funcs: a list of reward functions, e.g. reward_funcs: [exact_match] "
-                "or [my_rewards:score] (a module on the Python path and a function in it).",
+                f"stage {stage.name} needs reward_funcs: a list of reward functions, e.g. reward_funcs: "
+                "[exact_match] or [my_rewards:score] (a module on the Python path and a function in it).",
             )
 
     @property
@@ -124,3 +128,17 @@ class RLArguments:
     @property
     def completions_per_step(self) -> int:
         return self.rollout_batch_size * self.num_generations
+
+
+def ppo_defaults(given: Mapping[str, Any], training, ray_args, generating) -> dict[str, Any]:
+    """Stage ppo's RL defaults for the keys the config leaves out (``given``: the keys it sets), and
+    LLaMA-Factory's way of sizing a PPO step: per_device_train_batch_size x gradient_accumulation_steps
+    x ppo_buffer_size prompts per worker, answered max_new_tokens long."""
+    defaults = {key: value for key, value in PPO_DEFAULTS.items() if key not in given}
+    if "rollout_batch_size" not in given:
+        per_worker = int(training.per_device_train_batch_size) * int(training.gradient_accumulation_steps)
+        buffer = int(given.get("ppo_buffer_size", RLArguments.ppo_buffer_size))
+        defaults["rollout_batch_size"] = per_worker * buffer * ray_args.ray_num_workers
+    if "max_completion_length" not in given and "max_new_tokens" in given:
+        defaults["max_completion_length"] = int(generating.max_new_tokens)
+    return defaults

@@ -1,168 +1,47 @@
-"""Checkpoints of the RL stages (grpo, ppo): folders on disk, and what each trainable role puts in them.
+"""What the RL stages (grpo, ppo) put into a checkpoint: the controller's state and each trainable role's part.
 
-The RL stages train in their own loop, not in an HF Trainer, so they keep their own checkpoints.
-One checkpoint is ``output_dir/checkpoint-{step}``, filled in two steps so that a run killed at any
-moment never leaves something that looks complete:
-
-1. ``begin_checkpoint`` makes a staging folder ``.checkpoint-{step}.partial``; every trainable role
-   (policy, critic) writes its part into a subfolder with ``save_role_state``.
-2. ``commit_checkpoint`` writes the controller's state as ``rl_state.json`` (last, so its presence
-   marks a complete checkpoint) and renames the staging folder to ``checkpoint-{step}`` in one
-   ``rename``, then prunes old checkpoints.
-
-``resolve_resume`` turns ``resume_from_checkpoint`` (a folder, or ``auto``) into the folder to
-resume from, and ``load_role_state`` puts a role's part back into its model, optimizer, scheduler
-and random number generators. The listing of checkpoint folders by step, the atomic JSON write
-and the ``save_total_limit`` pruning are shared with the HF Trainer stages (stages/checkpoint_files.py).
+Committing, listing, resolving ``resume_from_checkpoint`` and pruning are every stage's
+(stages/checkpoint_files.py): the RL loop (stages/rl/loop.py) has the roles write into a
+``staging_folder``, writes the controller's state there as ``rl_state.json`` (``write_state``),
+and ``commit_checkpoint`` names it ``checkpoint-{step}``. This module holds what is RL's own: that
+state file, and what a trainable role (policy, critic) saves with ``save_role_state`` and puts back
+into its model, optimizer, scheduler and random number generators with ``load_role_state``.
 """
 
 from __future__ import annotations
 
 import json
-import logging
 import os
 import random
-import shutil
 
 import numpy as np
 import torch
 
-from registries.errors import UserError
+from ..checkpoint_files import RL_STATE_FILE, ResumeError, write_json_atomically
 
-from ..callbacks import LOG_FILE
-from ..checkpoint_files import (
-    CHECKPOINT_PREFIX,
-    RL_STATE_FILE,
-    checkpoint_folders,
-    checkpoint_path,
-    prune_checkpoints,
-    write_json_atomically,
-)
-
-logger = logging.getLogger(__name__)
-
-STATE_FILE = RL_STATE_FILE  # the controller's state; written last: its presence marks a complete checkpoint
+STATE_FILE = RL_STATE_FILE  # the controller's state: the step, the planned total, the recipe's counters
 
 TRAINABLE_FILE = "trainable.pt"
 OPTIMIZER_FILE = "optimizer.pt"
 SCHEDULER_FILE = "scheduler.pt"
 EXTRA_FILE = "extra.json"
 
-
-class ResumeError(UserError):
-    """A checkpoint that cannot be resumed from: not an RL checkpoint, half-written, or from another setup."""
-
-
-def _staging_path(output_dir: str, step: int) -> str:
-    # Hidden and without the bare prefix, so that nothing looking for checkpoint-N ever takes it.
-    return os.path.join(output_dir, f".{CHECKPOINT_PREFIX}{step}.partial")
-
-
-def begin_checkpoint(output_dir: str, step: int) -> str:
-    """A fresh, empty staging folder for step ``step``'s checkpoint; the role actors write their parts
-    into it. A staging folder left over from a run that died while saving this step is removed first."""
-    staging = _staging_path(output_dir, step)
-    if os.path.exists(staging):
-        shutil.rmtree(staging)
-    os.makedirs(staging)
-    return staging
-
-
-def commit_checkpoint(staging: str, state: dict, save_total_limit: int | None = None) -> str:
-    """Seal ``staging`` as ``checkpoint-{state['global_step']}`` next to it and return that folder.
-
-    ``state`` is written as ``rl_state.json`` first, then the folder is renamed in one step. A
-    ``checkpoint-{step}`` already there (an earlier attempt at this step, e.g. a run resumed from
-    an earlier checkpoint) is replaced. Then complete checkpoints beyond ``save_total_limit``
-    (None or <= 0: keep all) are deleted, oldest step first; the one just committed always stays,
-    even if checkpoints with larger steps exist (they belong to a run this one has replaced).
-    """
-    write_json_atomically(os.path.join(staging, STATE_FILE), state)
-    output_dir = os.path.dirname(os.path.abspath(staging))
-    final = checkpoint_path(output_dir, int(state["global_step"]))
-    if os.path.exists(final):
-        shutil.rmtree(final)
-    os.replace(staging, final)
-    prune_checkpoints(_complete_checkpoints(output_dir), save_total_limit, protected=[final])
-    return final
-
-
-def is_complete(path: str) -> bool:
-    return os.path.isfile(os.path.join(path, STATE_FILE))
-
-
-def _complete_checkpoints(output_dir: str) -> list[tuple[int, str]]:
-    """(step, path) of every complete checkpoint-N in ``output_dir``, by step; complete means it
-    holds ``rl_state.json``, which commit_checkpoint writes before the folder gets its name."""
-    return [(step, path) for step, path in checkpoint_folders(output_dir) if is_complete(path)]
-
-
-def latest_checkpoint(output_dir: str) -> str | None:
-    """The complete checkpoint-N with the largest N, or None. Staging folders and checkpoint-N
-    folders without ``rl_state.json`` (half-written, or an HF Trainer stage's) do not count. (The HF
-    Trainer stages find theirs with stages/checkpoint_files.py ``latest_committed``.)"""
-    found = _complete_checkpoints(output_dir)
-    return found[-1][1] if found else None
+def write_state(folder: str, state: dict) -> None:
+    write_json_atomically(os.path.join(folder, STATE_FILE), state)
 
 
 def read_state(path: str) -> dict:
-    with open(os.path.join(path, STATE_FILE), encoding="utf-8") as f:
-        return json.load(f)
-
-
-def resolve_resume(value: str | None, output_dir: str) -> str | None:
-    """The checkpoint folder to resume from, or None for a fresh start.
-
-    ``value`` is ``resume_from_checkpoint``: None or "" (fresh start), "auto" (the latest complete
-    checkpoint in ``output_dir``, if any), or a folder, which must be a complete RL checkpoint.
-    """
-    if not value:
-        return None
-    if value == "auto":
-        latest = latest_checkpoint(output_dir)
-        if latest is None:
-            logger.info("resume_from_checkpoint auto: no complete checkpoint in %s yet; starting fresh", output_dir)
-        else:
-            logger.info("resume_from_checkpoint auto: resuming from %s", latest)
-        return latest
-    if is_complete(value):
-        return value
-    found = "does not exist" if not os.path.isdir(value) else f"has no {STATE_FILE}"
-    raise ResumeError(
-        f"resume_from_checkpoint {value} {found}. An RL checkpoint (stages grpo and ppo) is a "
-        f"{CHECKPOINT_PREFIX}N folder whose {STATE_FILE} is written last, so this folder is either not "
-        "an RL checkpoint (e.g. one of another stage) or was only half-written when the run stopped. "
-        f"Point resume_from_checkpoint at another {CHECKPOINT_PREFIX}N folder that has {STATE_FILE}, "
-        "or set resume_from_checkpoint: auto to resume from the latest complete checkpoint in output_dir."
-    )
-
-
-def truncate_log(output_dir: str, step: int) -> int:
-    """Keep only the records of ``trainer_log.jsonl`` up to ``step`` (a resumed run writes the later
-    steps again) and return how many were dropped. A line that is not JSON, torn by the crash that
-    ended the run, is dropped too. The file is rewritten atomically; no file: 0."""
-    path = os.path.join(output_dir, LOG_FILE)
-    if not os.path.exists(path):
-        return 0
-    kept, dropped = [], 0
-    with open(path, encoding="utf-8") as f:
-        for line in f:
-            if not line.strip():
-                continue
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError:
-                dropped += 1
-                continue
-            if record.get("current_steps", 0) <= step:
-                kept.append(line if line.endswith("\n") else line + "\n")
-            else:
-                dropped += 1
-    temporary = f"{path}.tmp"
-    with open(temporary, "w", encoding="utf-8") as f:
-        f.writelines(kept)
-    os.replace(temporary, path)
-    return dropped
+    """The controller's state of the checkpoint ``path``; a committed checkpoint without one is
+    another stage's (an HF Trainer checkpoint), which an RL run cannot continue."""
+    try:
+        with open(os.path.join(path, STATE_FILE), encoding="utf-8") as f:
+            return json.load(f)
+    except FileNotFoundError:
+        raise ResumeError(
+            f"resume_from_checkpoint {path} has no {STATE_FILE}, so it is not a checkpoint of an RL stage (grpo, "
+            "ppo) but of another stage, which an RL run cannot continue. Point resume_from_checkpoint at a "
+            "checkpoint-N folder of an RL run, or set resume_from_checkpoint: auto in that run's output_dir."
+        ) from None
 
 
 # ----- worker side: one trainable role (policy or critic) of one data-parallel rank -----
@@ -267,7 +146,5 @@ def load_role_state(folder: str, rank: int, model, optimizer, scheduler) -> dict
 
 
 __all__ = [
-    "CHECKPOINT_PREFIX", "STATE_FILE", "ResumeError", "begin_checkpoint", "checkpoint_path", "commit_checkpoint",
-    "is_complete", "latest_checkpoint", "load_role_state", "read_state", "resolve_resume", "save_role_state",
-    "truncate_log",
+    "STATE_FILE", "load_role_state", "read_state", "save_role_state", "write_state",
 ]

@@ -16,10 +16,13 @@ import random
 import time
 from typing import Callable, Iterator, TypeVar
 
+from ..callbacks import truncate_log
+from ..checkpoint_files import commit_checkpoint, staging_folder, uncommit_after
 from . import checkpoint as ckpt
 from .roles import PromptRow, RLRun
 from .steplog import PhaseTimer, StepLog, write_results
-from .types import Completion, RolloutSample, SamplingSpec
+from ..engines.types import Completion, SamplingSpec
+from .types import RolloutSample
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -43,12 +46,13 @@ class RunProgress:
             self.state = ckpt.read_state(run.resume_from)
             self.start_step = int(self.state["global_step"])
             run.roles.load_checkpoint(run.resume_from)
-            dropped = ckpt.truncate_log(self.output_dir, self.start_step)
+            dropped = truncate_log(self.output_dir, self.start_step)
             logger.info("resumed from %s at step %d of %d (%d logged steps after it will run again)",
                         run.resume_from, self.start_step, total_steps, dropped)
             if self.state.get("total_steps") not in (None, total_steps):
                 logger.warning("the checkpoint was taken in a run of %s steps, this one has %d: the learning-rate "
                                "schedule continues from the saved one", self.state.get("total_steps"), total_steps)
+        uncommit_after(self.output_dir, self.start_step)  # a replaced run's: auto must not pick them up
         self.log = StepLog(self.output_dir, total_steps, append=bool(run.resume_from))
         save_every = options.save_steps if options.save_strategy not in ("no", "epoch") else 0
         self.save_every = every(save_every, total_steps)
@@ -115,11 +119,11 @@ class RunProgress:
         return record
 
     def _checkpoint(self, step: int, recipe_state: Callable[[], dict]) -> str:
-        staging = ckpt.begin_checkpoint(self.output_dir, step)
+        staging = staging_folder(self.output_dir, step)
         self.run.roles.save_checkpoint(staging)
-        state = {"global_step": step, "total_steps": self.total_steps, "stage": self.run.spec.finetuning.stage,
-                 **recipe_state()}
-        path = ckpt.commit_checkpoint(staging, state, self.run.spec.training.save_total_limit)
+        ckpt.write_state(staging, {"global_step": step, "total_steps": self.total_steps,
+                                   "stage": self.run.spec.finetuning.stage, **recipe_state()})
+        path = commit_checkpoint(staging, step, self.total_steps, self.run.spec.training.save_total_limit)
         logger.info("saved checkpoint %s", path)
         return path
 

@@ -20,7 +20,8 @@ from typing import TYPE_CHECKING, Optional
 import torch
 
 from .trainable import TrainableRole, completion_mask, pad_rows, sample_ids
-from .types import Completion, RolloutSample, SamplingSpec
+from ..engines.types import Completion, SamplingSpec
+from .types import RolloutSample
 
 if TYPE_CHECKING:
     from ..job import JobSpec
@@ -32,8 +33,8 @@ class PolicyWorker(TrainableRole):
     def __init__(self, spec: "JobSpec"):
         self.spec = spec
         self.model = None  # the (maybe PEFT) model; self.train_model wraps it in DDP when world_size > 1
-        # grpo adds beta * KL to the loss; ppo has already put the KL into the rewards.
-        self.kl_loss_coef = spec.rl.beta if spec.finetuning.stage != "ppo" else 0.0
+        # beta * KL in the loss, or (the stage table's kl_in_loss false) already in the rewards.
+        self.kl_loss_coef = spec.rl.beta if spec.stage.rl.kl_in_loss else 0.0
 
     # --- set-up --------------------------------------------------------------------------------
     def setup(self, rank: int, world_size: int, total_updates: int) -> dict:
@@ -141,11 +142,11 @@ class PolicyWorker(TrainableRole):
 
         return state_dict_to_bytes(export_state_dict(self.model))
 
-    def generate(self, prompt_ids: list[list[int]], sampling: SamplingSpec) -> list[Completion]:
-        """The HF rollout backend: sample from the weights being trained."""
-        from .hf_rollout import hf_generate
+    def generate_batch(self, prompt_ids: list[list[int]], sampling: SamplingSpec) -> list[Completion]:
+        """The HF rollout backend: the transformers engine samples from the weights being trained."""
+        from ..engines.hf_backend import HFEngine
 
-        return hf_generate(self.model, prompt_ids, sampling, self.pad_token_id)
+        return HFEngine(self.model, self.pad_token_id).generate_batch(prompt_ids, sampling)
 
     def save(self, output_dir: str) -> Optional[str]:
         """Rank 0 writes the adapter or model and the tokenizer with the training chat template."""

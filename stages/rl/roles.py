@@ -10,7 +10,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable, Optional, Protocol
 
-from .types import Completion, RolloutSample, SamplingSpec
+from ..engines.types import Completion, SamplingSpec
+from .types import RolloutSample
 
 if TYPE_CHECKING:
     from ..job import JobSpec

@@ -1,41 +1,14 @@
-"""What flows between the RL roles: a sampling request and the completions that come back.
+"""What flows between the RL roles after a rollout: a completion joined with what its update needs.
 
-Plain dataclasses of Python numbers, so they cross Ray actor boundaries cheaply and both
-rollout backends (vLLM engines, HF generate in the policy) speak the same language.
+The rollout itself speaks the engines' language (stages/engines/types.py: ``SamplingSpec`` in,
+``Completion`` out), whichever backend samples. Plain dataclasses of Python numbers, so they cross
+Ray actor boundaries cheaply.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Literal, Optional
-
-
-@dataclass(frozen=True)
-class SamplingSpec:
-    """How to sample: ``n`` completions per prompt, at most ``max_tokens`` new tokens each, ending
-    at any of ``stop_token_ids`` (the template's stop words and eos; the stop token is kept)."""
-
-    n: int = 1
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = 0  # 0 or -1: no top-k cut
-    max_tokens: int = 32
-    stop_token_ids: tuple[int, ...] = ()
-    seed: Optional[int] = None
-
-
-@dataclass
-class Completion:
-    """One sampled continuation of prompt ``prompt_index`` (its position in the request).
-
-    ``logprobs`` are the sampler's log-probabilities of each chosen token under the raw model
-    distribution (before temperature / top-p), one per token, when the backend reports them.
-    """
-
-    prompt_index: int
-    token_ids: list[int]
-    logprobs: Optional[list[float]] = None
-    finish_reason: Literal["stop", "length"] = "stop"
+from typing import Optional
 
 
 @dataclass

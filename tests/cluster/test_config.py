@@ -407,24 +407,9 @@ def test_ray_address_and_storage_resolution(monkeypatch, tmp_path):
     assert RayArguments(ray_storage_path="s3://bucket/runs").ray_storage_path == "s3://bucket/runs"
 
 
-def test_stage_without_a_runner_is_refused_at_config_time(monkeypatch):
-    """Every built-in stage has a recipe now (ppo was the last); one registered without is still refused
-    before any work starts, and the stage list marks it."""
-    from stages.table import STAGES, StageSpec
-
-    assert [name for name, spec in STAGES.items() if not spec.available] == []
-    monkeypatch.setitem(STAGES, "ppo_next", StageSpec(
-        "ppo_next", "a stage still being built", dataset_need="prompt_only", tokenize="unsupervised",
-        collator="collators:prompt_collator", runner=None, launch="rl_controller",
-    ))
-    message = error_of(write("model_name_or_path: m\noutput_dir: o\nstage: ppo_next\n"))
-    assert message == (
-        "stage 'ppo_next' cannot be trained yet (a stage still being built); "
-        "the stages that can: pt, sft, rm, dpo, kto, grpo, ppo. Change stage in cfg.yaml."
-    )
+def test_unknown_stage_is_refused_with_the_table_s_stages():
     assert error_of(write("model_name_or_path: m\noutput_dir: o\nstage: sfft\n")).startswith(
-        "invalid stage in cfg.yaml: unknown stage 'sfft'; the stages are pt, sft, rm, dpo, kto, grpo, ppo, "
-        "ppo_next (not yet)."
+        "invalid stage in cfg.yaml: unknown stage 'sfft'; the stages are pt, sft, rm, dpo, kto, grpo, ppo."
     )
 
 

@@ -47,7 +47,8 @@ def test_resume_from_a_folder_that_is_no_checkpoint_is_refused(tmp_path):
     os.makedirs("out/checkpoint-10")
     message = error_of({**BASE, "resume_from_checkpoint": "out/checkpoint-10"})
     assert message.startswith(f"resume_from_checkpoint {tmp_path}/out/checkpoint-10 in the config dict is not a "
-                              "complete checkpoint: it has neither rayfactory_checkpoint.json nor trainer_state.json")
+                              "complete checkpoint: it has neither rayfactory_checkpoint.json nor a state file "
+                              "(trainer_state.json or rl_state.json)")
 
 
 def test_resume_from_a_committed_checkpoint_cut_short_is_refused(tmp_path):

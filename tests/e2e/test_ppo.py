@@ -26,9 +26,10 @@ import pytest
 
 from cluster.config import load_config
 from cluster.driver import run_exp
-from stages.rl.hf_rollout import hf_generate
+from stages.engines.hf_backend import HFEngine
 from stages.rl.reward_model import RewardModelWorker
-from stages.rl.types import RolloutSample, SamplingSpec
+from stages.engines.types import SamplingSpec
+from stages.rl.types import RolloutSample
 from stages.callbacks import read_log
 from stages.rl.critic import CRITIC_DIR
 from stages.value_head import VALUE_HEAD_FILE
@@ -75,7 +76,7 @@ def held_out_score(config: dict, policy_dir: str) -> float:
     sampling = SamplingSpec(n=SAMPLES_PER_PROMPT, temperature=spec.generating.temperature, top_p=spec.generating.top_p,
                             top_k=spec.generating.top_k, max_tokens=spec.rl.max_completion_length,
                             stop_token_ids=tuple(template.stop_token_ids(tokenizer)), seed=0)
-    completions = hf_generate(model, prompts, sampling, tokenizer.pad_token_id)
+    completions = HFEngine(model, tokenizer.pad_token_id).generate_batch(prompts, sampling)
     scorer = RewardModelWorker(spec)
     scorer.setup()
     scores = scorer.scores([RolloutSample(prompts[c.prompt_index], c.token_ids, group=c.prompt_index) for c in completions])

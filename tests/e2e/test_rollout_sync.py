@@ -17,7 +17,7 @@ from transformers import AutoModelForCausalLM
 
 from registries.models.tiny import tiny_model_path
 from stages.rl.logprobs import completion_logprobs
-from stages.rl.types import SamplingSpec
+from stages.engines.types import SamplingSpec
 from tests.ci import skip_or_fail_in_ci
 
 # head_dim 32: vLLM's CPU attention supports 32, 64, 80, ... only.
@@ -37,7 +37,8 @@ def engine(ray_session, model_path):
     if importlib.util.find_spec("vllm") is None:
         message = "vllm is not installed (pip install -e .[vllm])"
         skip_or_fail_in_ci(message)
-    from fabric.rollout import VLLMEngine, VLLMEngineConfig, engine_runtime_env
+    from fabric.rollout import engine_runtime_env
+    from stages.engines.vllm_backend import VLLMEngine, VLLMEngineConfig
 
     config = VLLMEngineConfig(model_path=str(model_path), kv_cache_bytes=64 << 20, max_model_len=128)
     actor = ray.remote(VLLMEngine).options(num_cpus=1, runtime_env=engine_runtime_env()).remote(config)
@@ -66,7 +67,7 @@ def big_step(model, seed: int, lr: float = 3.0) -> None:
 
 def engine_vs_hf(engine, model, sampling: SamplingSpec = SAMPLE) -> float:
     """Largest |engine log-prob - HF log-prob (temperature 1)| over what the engine samples now."""
-    completions = ray.get(engine.generate.remote(PROMPTS, sampling))
+    completions = ray.get(engine.generate_batch.remote(PROMPTS, sampling))
     with torch.no_grad():
         ours = completion_logprobs(model, [PROMPTS[c.prompt_index] for c in completions],
                                    [c.token_ids for c in completions], pad_token_id=0)
@@ -76,7 +77,7 @@ def engine_vs_hf(engine, model, sampling: SamplingSpec = SAMPLE) -> float:
 def test_generate_returns_n_completions_per_prompt_with_stop_tokens_kept(engine):
     stop = tuple(range(100, 300))  # ~a fifth of the vocabulary: some completions stop, some run out
     spec = SamplingSpec(n=3, temperature=1.0, max_tokens=10, stop_token_ids=stop, seed=7)
-    completions = ray.get(engine.generate.remote(PROMPTS, spec))
+    completions = ray.get(engine.generate_batch.remote(PROMPTS, spec))
     assert [c.prompt_index for c in completions] == [0, 0, 0, 1, 1, 1, 2, 2, 2]
     for c in completions:
         assert len(c.logprobs) == len(c.token_ids) and all(lp <= 0 for lp in c.logprobs)
@@ -88,7 +89,7 @@ def test_generate_returns_n_completions_per_prompt_with_stop_tokens_kept(engine)
     assert {c.finish_reason for c in completions} == {"stop", "length"}
     # each prompt (and each of its samples) has its own random stream; the same seed repeats it
     assert len({tuple(c.token_ids[:3]) for c in completions}) == len(completions)
-    assert ray.get(engine.generate.remote(PROMPTS, spec)) == completions
+    assert ray.get(engine.generate_batch.remote(PROMPTS, spec)) == completions
 
 
 def test_object_store_push_makes_the_engine_sample_from_the_trained_weights(engine, model_path):

@@ -21,7 +21,7 @@ from registries.templates import get_template
 from registries.tokenize import IGNORE_INDEX
 from registries.tokenize.supervised import encode_supervised_example
 from stages.callbacks import read_log
-from stages.generation import exact_match, generate_replies
+from tests.replies import chat_replies, exact_match
 from stages.loading import resolve_model_path
 from tests.e2e.conftest import REPO_ROOT
 
@@ -56,7 +56,7 @@ def load_model(model_dir: str):
 def accuracy(model, tokenizer, template) -> float:
     rows = eval_rows()
     prompts = [[{"role": "user", "content": r["instruction"]}] for r in rows]
-    replies = generate_replies(model, tokenizer, template, prompts, max_new_tokens=8)
+    replies = chat_replies(model, tokenizer, template, prompts, max_new_tokens=8)
     return exact_match(replies, [r["output"] for r in rows])
 
 

@@ -9,7 +9,7 @@ import torch
 from cluster.api import ChatModel
 from cluster.config import ConfigError, load_config
 from stages.inference.chat_model import ChatInputError
-from stages.inference.engine import PromptTooLong
+from stages.engines.types import PromptTooLong
 
 from .conftest import BASE, PROMPTS, TEMPLATE
 

@@ -107,9 +107,9 @@ def test_export_is_sharded_by_export_size(exported):
 
 
 def test_export_generates_the_same_in_vllm(exported, reference, monkeypatch):
-    from fabric.rollout.vllm_engine import ENGINE_ENV
+    from stages.engines.vllm_backend import ROLLOUT_ENV
 
-    for key, value in ENGINE_ENV.items():  # os.environ.setdefault, undone when the test ends
+    for key, value in ROLLOUT_ENV.items():  # os.environ.setdefault, undone when the test ends
         if key not in os.environ:
             monkeypatch.setenv(key, value)
     from vllm import LLM, SamplingParams

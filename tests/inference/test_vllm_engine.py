@@ -4,6 +4,7 @@ slow part); the bare base is a second VLLMChatEngine view on that engine with no
 
 from __future__ import annotations
 
+import copy
 import importlib.util
 
 import pytest
@@ -30,13 +31,13 @@ def chats(adapter_outputs):
     """(vllm ChatModel, hf ChatModel) for base + default adapter "math" + lora_modules {"poet"},
     the bare-base engine view, and the HF bare base."""
     from cluster.api import ChatModel
-    from stages.inference.vllm_engine import VLLMChatEngine
 
     config = _config(adapter_outputs, adapter_name_or_path=adapter_outputs["math"],
                      lora_modules={"poet": adapter_outputs["poet"]})
     vllm_chat = ChatModel(dict(config, infer_backend="vllm", vllm_cpu_kv_cache_gib=0.05))
     engine = vllm_chat.engine
-    bare = VLLMChatEngine(engine.llm, engine.max_model_len, engine.loras, default_adapter=None)
+    bare = copy.copy(engine)  # the same AsyncLLM, serving the bare base when a request names no adapter
+    bare.default_adapter = None
     hf_chat = ChatModel(config)
     hf_base = ChatModel(_config(adapter_outputs))
     yield vllm_chat, hf_chat, bare, hf_base
@@ -117,7 +118,7 @@ def test_stop_string_cuts_and_aborts(chats):
 
 
 def test_prompt_longer_than_the_window(chats):
-    from stages.inference.engine import PromptTooLong
+    from stages.engines.types import PromptTooLong
 
     vllm_chat, _, _, _ = chats
     with pytest.raises(PromptTooLong):
@@ -140,3 +141,30 @@ def test_stacked_adapters_need_an_export(adapter_outputs):
     both = f"{adapter_outputs['math']},{adapter_outputs['poet']}"
     with pytest.raises(InferenceLoadError, match="rayfactory export"):
         ChatModel(_config(adapter_outputs, adapter_name_or_path=both, infer_backend="vllm"))
+
+
+def test_pause_holds_new_requests_until_resume(chats):
+    """The hook RL needs to swap weights under a serving engine: while paused no token comes out;
+    after resume the held request completes with the reply it would have had."""
+    import asyncio
+
+    vllm_chat, _, _, _ = chats
+    engine = vllm_chat.engine
+    request = vllm_chat.request(PROMPTS[0])
+
+    async def paused_then_resumed():
+        await engine.pause()
+        stream = engine.stream(request)
+        first = asyncio.ensure_future(stream.__anext__())
+        await asyncio.sleep(1.5)  # an unpaused tiny model streams its first token in well under this
+        held = not first.done()
+        await engine.resume()
+        delta = await first
+        tokens = list(delta.token_ids)
+        async for delta in stream:
+            tokens += delta.token_ids
+        return held, tokens
+
+    held, tokens = vllm_chat._run(paused_then_resumed())
+    assert held
+    assert tokens == vllm_chat.chat(PROMPTS[0])[0].token_ids

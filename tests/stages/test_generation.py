@@ -1,4 +1,5 @@
-"""generate_replies on the tiny random-init Qwen2: the generation options hold for every batch."""
+"""The transformers engine's batch side on the tiny random-init Qwen2: the sampling settings hold
+for every batch, greedy replies are one reply handed out n times, seeds replay."""
 
 from __future__ import annotations
 
@@ -9,8 +10,10 @@ import torch
 
 from registries.datasets import DataArguments
 from registries.models import tiny_model_path
-from stages.generation import exact_match, generate_replies
+from stages.engines.hf_backend import HFEngine
+from stages.engines.types import SamplingSpec
 from stages.loading import load_tokenizer_and_template
+from tests.replies import chat_replies, exact_match
 
 PROMPTS = [[{"role": "user", "content": "What is 3+4?"}]] * 6  # three batches of two
 NEW_TOKENS = 12
@@ -29,7 +32,7 @@ def tiny():
 
 def replies(tiny, **kwargs) -> list[str]:
     model, tokenizer, template = tiny
-    return generate_replies(model, tokenizer, template, PROMPTS, max_new_tokens=NEW_TOKENS, batch_size=2, **kwargs)
+    return chat_replies(model, tokenizer, template, PROMPTS, max_new_tokens=NEW_TOKENS, batch_size=2, **kwargs)
 
 
 @pytest.fixture(scope="module")
@@ -40,27 +43,36 @@ def greedy(tiny) -> str:
 
 
 def test_greedy_gives_the_same_reply_in_every_batch(tiny, greedy):
-    assert replies(tiny, do_sample=False) == [greedy] * len(PROMPTS)
+    assert replies(tiny, temperature=0.0) == [greedy] * len(PROMPTS)
 
 
-def test_do_sample_holds_for_every_batch_not_only_the_first(tiny, greedy):
+def test_sampling_holds_for_every_batch_not_only_the_first(tiny, greedy):
     """At temperature 5 the tiny model's next-token distribution is nearly flat: a sampled reply
-    of 12 tokens is the greedy one with negligible probability. Before the fix, batches 2 and 3
-    lost do_sample and decoded greedily."""
+    of 12 tokens is the greedy one with negligible probability."""
     torch.manual_seed(0)
-    sampled = replies(tiny, do_sample=True, temperature=5.0, top_k=0)
+    sampled = replies(tiny, temperature=5.0, top_k=0)
     for i, reply in enumerate(sampled):
         assert reply != greedy, f"reply {i} (batch {i // 2 + 1}) is the greedy one: {reply!r}"
     assert len(set(sampled)) > 1
 
 
-def test_options_are_not_consumed_by_the_call(tiny, greedy):
-    options = {"do_sample": True, "temperature": 5.0, "top_k": 0}
-    torch.manual_seed(0)
-    first = replies(tiny, **options)
-    assert options == {"do_sample": True, "temperature": 5.0, "top_k": 0}
-    torch.manual_seed(0)
-    assert replies(tiny, **options) == first  # same seed, same samples: nothing left over between calls
+def test_a_seed_replays_the_same_samples(tiny):
+    first = replies(tiny, temperature=5.0, top_k=0, seed=3)
+    torch.manual_seed(123)  # the global generator's state does not matter: the seed sets it
+    assert replies(tiny, temperature=5.0, top_k=0, seed=3) == first
+    assert replies(tiny, temperature=5.0, top_k=0, seed=4) != first
+
+
+def test_greedy_n_is_one_reply_handed_out_n_times(tiny):
+    model, tokenizer, template = tiny
+    ids = [template.encode_oneturn(tokenizer, PROMPTS[0] + [{"role": "assistant", "content": ""}])[0], [1, 2, 3]]
+    engine = HFEngine(model, tokenizer.pad_token_id)
+    out = engine.generate_batch(ids, SamplingSpec(n=3, temperature=0.0, max_tokens=5))
+    assert [(c.prompt_index, c.index) for c in out] == [(0, 0), (0, 1), (0, 2), (1, 0), (1, 1), (1, 2)]
+    assert out[0].token_ids == out[1].token_ids == out[2].token_ids
+    assert all(len(c.logprobs) == len(c.token_ids) and c.finish_reason == "length" for c in out)
+    single = engine.generate_batch(ids[:1], SamplingSpec(n=1, temperature=0.0, max_tokens=5))
+    assert single[0].token_ids == out[0].token_ids and single[0].logprobs == pytest.approx(out[0].logprobs, abs=1e-5)
 
 
 def test_exact_match():

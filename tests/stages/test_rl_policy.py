@@ -13,10 +13,11 @@ import torch
 from cluster.config import load_config
 from registries.errors import UserError
 from stages.loading import parse_tiny_name, resolve_model_path
-from stages.rl.hf_rollout import hf_generate
+from stages.engines.hf_backend import HFEngine
 from stages.rl.logprobs import completion_logprobs
 from stages.rl.policy import PolicyWorker
-from stages.rl.types import RolloutSample, SamplingSpec
+from stages.engines.types import SamplingSpec
+from stages.rl.types import RolloutSample
 from stages.rl.algorithms import loss_normalizer
 
 DATA_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "data")
@@ -73,9 +74,11 @@ def test_hf_backend_samples_n_per_prompt_and_reports_the_models_log_probs(tmp_pa
     worker = policy(tmp_path)
     prompts = [[1, 20, 30, 40], [1, 50]]
     stop = worker.template.stop_token_ids(worker.tokenizer)
-    completions = hf_generate(worker.model, prompts, SamplingSpec(n=3, temperature=1.0, max_tokens=6,
-                                                                  stop_token_ids=tuple(stop)), worker.pad_token_id)
+    completions = HFEngine(worker.model, worker.pad_token_id).generate_batch(
+        prompts, SamplingSpec(n=3, temperature=1.0, max_tokens=6, stop_token_ids=tuple(stop)))
     assert [c.prompt_index for c in completions] == [0, 0, 0, 1, 1, 1]
+    assert [c.index for c in completions] == [0, 1, 2, 0, 1, 2]
+    assert worker.model.training  # the engine generated in eval mode and gave the policy back as it was
     for c in completions:
         assert 1 <= len(c.token_ids) <= 6 and len(c.logprobs) == len(c.token_ids)
         assert (c.finish_reason == "stop") == (c.token_ids[-1] in stop)

@@ -2,7 +2,7 @@
 ``LLM.collective_rpc``.
 
 vLLM resolves this class by its dotted name inside the engine's worker process(es), so it must
-stay importable as ``fabric.rollout.vllm_extension.WeightReceiver`` and import nothing heavy at
+stay importable as ``stages.engines.vllm_weights.WeightReceiver`` and import nothing heavy at
 module level. The methods run with ``self`` = the vLLM worker; names must not clash with the
 worker's own attributes (vLLM asserts that).
 """

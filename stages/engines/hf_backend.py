@@ -1,0 +1,249 @@
+"""The transformers engine: ``model.generate`` on any model transformers loads.
+
+Two ways in, one model:
+* ``generate_batch`` (rollouts, evaluations): many prompts, left-padded into batches, n samples
+  each; the raw log-prob of every sampled token comes from ``output_logits``. Inside an RL policy
+  worker this samples from the very weights being trained, so it needs no weight sync at all.
+* ``stream`` / ``generate`` (chat, serve, predict): one request at a time per engine (adapters
+  are switched per request on a shared PeftModel, which is not safe to do concurrently), in a
+  thread, queued on an asyncio lock. Each step's tokens and raw log-probs are observed as they
+  are produced (a streamer plus a forward hook on the output embedding, which sees the logits
+  before any temperature or top-k), so streaming and whole replies are the same loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import threading
+from typing import AsyncIterator
+
+import torch
+from transformers import StoppingCriteria, StoppingCriteriaList
+
+from .types import Completion, GenerationRequest, SamplingSpec, StreamDelta, check_prompt_fits, collect, cut_at_stop
+
+_DONE = object()
+
+
+class HFEngine:
+    name = "huggingface"
+
+    def __init__(self, model, pad_token_id: int, max_model_len: int | None = None, adapters: tuple[str, ...] = (),
+                 default_adapter: str | None = None):
+        """``model``: a causal LM, or a PeftModel whose named adapters are ``adapters``;
+        ``default_adapter`` is active when a request names none. ``max_model_len``: the context
+        window requests must fit (None: the model's positions)."""
+        self.model = model
+        self.pad_token_id = pad_token_id
+        self.max_model_len = max_model_len or getattr(model.config, "max_position_embeddings", None) or 2**31
+        self.adapters = tuple(adapters)
+        self.default_adapter = default_adapter
+        self._lock = asyncio.Lock()
+
+    # --- rollouts: many prompts at once ------------------------------------------------------
+
+    @torch.no_grad()
+    def generate_batch(self, prompt_ids: list[list[int]], sampling: SamplingSpec,
+                       batch_size: int = 64) -> list[Completion]:
+        """``sampling.n`` completions per prompt, each cut after its first stop token (kept), with
+        the raw model log-probability of every sampled token."""
+        with _evaluating(self.model):
+            copies = 1 if sampling.greedy else sampling.n  # greedy replies are all alike: sample one
+            expanded = [(i, ids) for i, ids in enumerate(prompt_ids) for _ in range(copies)]
+            completions: list[Completion] = []
+            for start in range(0, len(expanded), batch_size):
+                chunk = expanded[start : start + batch_size]
+                if sampling.seed is not None:
+                    torch.manual_seed(sampling.seed + start)
+                completions += self._batch(chunk, sampling)
+        if copies == sampling.n:
+            for k, c in enumerate(completions):
+                c.index = k % sampling.n
+            return completions
+        return [Completion(list(c.token_ids), c.finish_reason, c.logprobs, c.top_logprobs, i, c.prompt_index)
+                for c in completions for i in range(sampling.n)]
+
+    def _batch(self, chunk: list[tuple[int, list[int]]], sampling: SamplingSpec) -> list[Completion]:
+        width = max(len(ids) for _, ids in chunk)
+        # Left padding: every prompt ends where generation starts.
+        input_ids = torch.tensor([[self.pad_token_id] * (width - len(ids)) + ids for _, ids in chunk])
+        attention = torch.tensor([[0] * (width - len(ids)) + [1] * len(ids) for _, ids in chunk])
+        out = self.model.generate(
+            input_ids=input_ids.to(self.model.device), attention_mask=attention.to(self.model.device),
+            max_new_tokens=sampling.max_tokens, **_sampling_kwargs(sampling),
+            eos_token_id=list(sampling.stop_token_ids) or None, pad_token_id=self.pad_token_id,
+            return_dict_in_generate=True,
+            output_logits=sampling.logprobs is not None,  # raw logits, before temperature and top-p
+        )
+        new_tokens = out.sequences[:, width:]
+        chosen = None
+        if sampling.logprobs is not None:
+            # One step at a time: a [batch, steps, vocab] float32 stack would not fit for real vocabularies.
+            chosen = torch.stack([
+                logits.float().log_softmax(-1).gather(-1, new_tokens[:, k, None]).squeeze(-1)
+                for k, logits in enumerate(out.logits)
+            ], dim=1)
+        completions = []
+        for row, (prompt_index, _) in enumerate(chunk):
+            tokens = new_tokens[row].tolist()
+            end, finish = cut_at_stop(tokens, sampling.stop_token_ids)
+            logprobs = chosen[row, :end].tolist() if chosen is not None else None
+            completions.append(Completion(tokens[:end], finish, logprobs, None, 0, prompt_index))
+        return completions
+
+    # --- requests: one at a time, streamed ---------------------------------------------------
+
+    async def generate(self, request: GenerationRequest) -> list[Completion]:
+        return await collect(self.stream(request), request.sampling)
+
+    async def stream(self, request: GenerationRequest) -> AsyncIterator[StreamDelta]:
+        budget = check_prompt_fits(request.prompt_ids, request.sampling, self.max_model_len)
+        loop = asyncio.get_running_loop()
+        queue: asyncio.Queue = asyncio.Queue()
+        cancel = threading.Event()
+
+        def emit(item) -> None:
+            loop.call_soon_threadsafe(queue.put_nowait, item)
+
+        async with self._lock:
+            worker = loop.run_in_executor(None, self._run, request, budget, emit, cancel)
+            try:
+                while True:
+                    item = await queue.get()
+                    if item is _DONE:
+                        break
+                    if isinstance(item, BaseException):
+                        raise item
+                    yield item
+            finally:
+                cancel.set()  # a consumer that stops reading (stop string, client gone) ends the generation
+                await worker
+
+    async def close(self) -> None:
+        return None
+
+    def _run(self, request: GenerationRequest, budget: int, emit, cancel: threading.Event) -> None:
+        try:
+            sampling = request.sampling
+            active = self._select_adapter(request.adapter)
+            observer = _StepObserver(request, budget, emit)
+            handle = None
+            if sampling.logprobs is not None:
+                head = self.model.get_output_embeddings()
+                handle = head.register_forward_hook(lambda _m, _i, out: observer.see_logits(out))
+            if sampling.seed is not None:
+                torch.manual_seed(sampling.seed)
+            try:
+                with torch.no_grad(), _evaluating(self.model), active:
+                    self.model.generate(
+                        input_ids=torch.tensor([list(request.prompt_ids)], device=self.model.device),
+                        attention_mask=torch.ones(1, len(request.prompt_ids), dtype=torch.long, device=self.model.device),
+                        max_new_tokens=budget,
+                        num_return_sequences=1 if sampling.greedy else sampling.n,
+                        eos_token_id=list(sampling.stop_token_ids) or None,
+                        pad_token_id=self.pad_token_id,
+                        streamer=observer,
+                        stopping_criteria=StoppingCriteriaList([_Cancelled(cancel)]),
+                        **_sampling_kwargs(sampling),
+                    )
+            finally:
+                if handle is not None:
+                    handle.remove()
+            observer.finish()
+        except BaseException as exc:  # noqa: BLE001 (handed to the awaiting coroutine)
+            emit(exc)
+        emit(_DONE)
+
+    def _select_adapter(self, name: str | None):
+        """Activate the request's adapter; the context to generate in (adapters off for the bare base)."""
+        name = name or self.default_adapter
+        if name is None:
+            return self.model.disable_adapter() if self.adapters else contextlib.nullcontext()
+        if name not in self.adapters:
+            raise KeyError(f"unknown adapter {name!r}; this engine has {list(self.adapters)}")
+        self.model.set_adapter(name)
+        return contextlib.nullcontext()
+
+
+@contextlib.contextmanager
+def _evaluating(model):
+    """Eval mode (no dropout) while generating; a policy being trained goes back to training."""
+    was_training = model.training
+    model.eval()
+    try:
+        yield
+    finally:
+        model.train(was_training)
+
+
+def _sampling_kwargs(sampling: SamplingSpec) -> dict:
+    kwargs = {"repetition_penalty": sampling.repetition_penalty}
+    if sampling.greedy:
+        return {**kwargs, "do_sample": False, "temperature": None, "top_p": None, "top_k": None}
+    return {**kwargs, "do_sample": True, "temperature": sampling.temperature, "top_p": sampling.top_p,
+            "top_k": sampling.top_k if sampling.top_k > 0 else None}
+
+
+class _StepObserver:
+    """A transformers streamer: receives each step's tokens (one per reply) and turns them into
+    StreamDeltas; a reply ends at its first stop token or at the budget."""
+
+    def __init__(self, request: GenerationRequest, budget: int, emit):
+        self.sampling, self.budget, self.emit = request.sampling, budget, emit
+        self.n = request.sampling.n
+        self.stop_ids = set(request.sampling.stop_token_ids)
+        self.lengths = [0] * self.n
+        self.finished = [False] * self.n
+        self.seen_prompt = False
+        self.step_logprobs: torch.Tensor | None = None
+
+    def see_logits(self, logits: torch.Tensor) -> None:
+        self.step_logprobs = logits[:, -1, :].float().log_softmax(-1).cpu()
+
+    def put(self, value: torch.Tensor) -> None:
+        if not self.seen_prompt:  # generate() first hands over the prompt itself
+            self.seen_prompt = True
+            return
+        tokens = value.reshape(-1).tolist()
+        rows = len(tokens)
+        if rows < self.n:  # greedy: one row stands for every reply
+            tokens = tokens * self.n
+        for index, token in enumerate(tokens):
+            if self.finished[index]:
+                continue
+            self.lengths[index] += 1
+            reason = "stop" if token in self.stop_ids else "length" if self.lengths[index] >= self.budget else None
+            self.finished[index] = reason is not None
+            logprobs = top = None
+            if self.sampling.logprobs is not None and self.step_logprobs is not None:
+                step = self.step_logprobs[index % rows]
+                logprobs, top = [float(step[token])], [_top(step, self.sampling.logprobs)]
+            self.emit(StreamDelta([token], logprobs, top, reason, index))
+
+    def end(self) -> None:
+        pass
+
+    def finish(self) -> None:
+        """Replies still open when generate() returned (cancelled) end as "stop"."""
+        for index, done in enumerate(self.finished):
+            if not done:
+                self.finished[index] = True
+                self.emit(StreamDelta([], None, None, "stop", index))
+
+
+class _Cancelled(StoppingCriteria):
+    """Ends generate() once the consumer has stopped reading."""
+
+    def __init__(self, cancel: threading.Event):
+        self.cancel = cancel
+
+    def __call__(self, input_ids, scores, **kwargs) -> torch.Tensor:
+        return torch.full((input_ids.shape[0],), self.cancel.is_set(), dtype=torch.bool, device=input_ids.device)
+
+
+def _top(logprobs: torch.Tensor, k: int) -> tuple[tuple[int, float], ...]:
+    if k <= 0:
+        return ()
+    best = torch.topk(logprobs, k)
+    return tuple(zip(best.indices.tolist(), best.values.tolist()))
