@@ -71,8 +71,8 @@ def time_steps(model, optimizer, collator, batches) -> tuple[float, float]:
 
 
 def main() -> int:
-    from stages.collators import PaddingCollator, PaddingFreeCollator
-    from stages.example_attention import PER_EXAMPLE_SDPA, use_attention
+    from stages.training.collators import PaddingCollator, PaddingFreeCollator
+    from stages.training.per_example_attention import PER_EXAMPLE_SDPA, use_attention
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--threads", type=int, default=2)

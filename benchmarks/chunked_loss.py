@@ -1,4 +1,4 @@
-"""Peak memory and step time of the causal-LM loss, plain vs chunked (stages/chunked_loss.py).
+"""Peak memory and step time of the causal-LM loss, plain vs chunked (stages/training/chunked_loss.py).
 
     .venv/bin/python benchmarks/chunked_loss.py [--threads 2] [--steps 4] [--tokens 2048]
 
@@ -31,7 +31,7 @@ def run_case(chunk: int | None, tokens: int, steps: int, threads: int) -> dict:
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from stages.chunked_loss import chunk_tokens_for, chunked_head_loss
+    from stages.training.chunked_loss import chunk_tokens_for, chunked_head_loss
 
     torch.set_num_threads(threads)
     torch.manual_seed(0)

@@ -32,7 +32,7 @@ SAMPLE_INTERVAL_S = 0.5
 
 class BenchCallback(TrainerCallback):
     """Runs where training runs (each Ray Train worker, or the driver for a lone local CPU worker:
-    fabric/in_driver.py); writes wall-clock marks and that process's peak RSS.
+    fabric/train_in_driver.py); writes wall-clock marks and that process's peak RSS.
 
     The scripts register this module to be pickled by value, so workers need no import of it.
     """

@@ -77,8 +77,8 @@ def held_out_pairs(dataset: str, stage: str, tokenizer, template) -> list[dict]:
 
 def judge_reward_model(out_dir: str, held_out: str) -> dict:
     """The value head's pairwise accuracy and margin on the held-out pairs, untrained and trained."""
-    from stages.callbacks import read_log
-    from stages.value_head import load_reward_model, score_pairs
+    from stages.training.callbacks import read_log
+    from stages.training.value_head import load_reward_model, score_pairs
 
     model, _ = load_reward_model(out_dir)
     tokenizer, template = saved_tokenizer_and_template(out_dir)
@@ -91,7 +91,7 @@ def judge_reward_model(out_dir: str, held_out: str) -> dict:
 def saved_tokenizer_and_template(out_dir: str):
     """The tokenizer saved with a run's output and its template (detected from the saved chat template)."""
     from registries.datasets import DataArguments
-    from stages.args import ModelArguments
+    from stages.run_args import ModelArguments
     from stages.loading import load_tokenizer_and_template
 
     return load_tokenizer_and_template(ModelArguments(model_name_or_path=out_dir), DataArguments())
@@ -101,7 +101,7 @@ def run_case(name: str, steps: int, model_path: str | None) -> dict:
     import time
 
     from cluster.driver import run_exp
-    from stages.preference import judge_adapter
+    from stages.recipes.preference import judge_adapter
 
     stage, seed, held_out, overrides = CASES[name]
     with tempfile.TemporaryDirectory(prefix=f"bench-pref-{name}-") as out_dir:

@@ -63,7 +63,7 @@ def paused_slices(threads: int, reps: int, driver_pid: int, wanted: list[str]) -
 
     from batch_layouts import bench_model, random_batches, timed_step
 
-    from stages.collators import PaddingFreeCollator
+    from stages.training.collators import PaddingFreeCollator
 
     model, optimizer = bench_model(threads)
     collator = PaddingFreeCollator(pad_token_id=0)

@@ -97,7 +97,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     args = parser.parse_args()
 
-    from fabric.args import RayArguments
+    from fabric.ray_args import RayArguments
     from fabric.ray_session import connect
 
     connect(RayArguments(ray_num_cpus=4))

@@ -49,7 +49,7 @@ def start_server(args: argparse.Namespace) -> str:
     from ray import serve
 
     from cluster.serve.app import build_app
-    from fabric.args import RayArguments
+    from fabric.ray_args import RayArguments
     from fabric.ray_session import connect
 
     config = {"model_name_or_path": args.model_path, "template": args.template, "do_sample": False,

@@ -24,7 +24,7 @@ def one_host_step(threads: int, steps: int) -> float:
     """Mean ms a step, measured in the calling process."""
     from batch_layouts import bench_model, random_batches, time_steps
 
-    from stages.collators import PaddingFreeCollator
+    from stages.training.collators import PaddingFreeCollator
 
     model, optimizer = bench_model(threads)
     batches = random_batches(model.config.vocab_size, steps)
@@ -57,7 +57,7 @@ def in_ray_train_worker(threads: int, steps: int) -> float:
 @contextlib.contextmanager
 def local_ray():
     """A fresh local Ray for one measurement, started as a run starts its own (fabric/ray_session.py)."""
-    from fabric.args import RayArguments
+    from fabric.ray_args import RayArguments
     from fabric.ray_session import connect, shutdown
     from harness import REPO_ROOT
 

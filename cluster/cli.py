@@ -186,7 +186,7 @@ def _train(args: argparse.Namespace) -> int:
             raise
         print(f"rayfactory: error: {mistake}", file=sys.stderr)
         return USER_ERROR_EXIT
-    except KeyboardInterrupt:  # the worker group was aborted on the way out (fabric/driver_controller.py)
+    except KeyboardInterrupt:  # the worker group was aborted on the way out (fabric/controller_in_driver.py)
         where = f"; its output so far is in {console.log_path}" if console is not None and console.log_path else ""
         print(f"rayfactory: interrupted: the run was stopped, its checkpoints so far are kept{where}", file=sys.stderr)
         return INTERRUPTED_EXIT

@@ -23,11 +23,11 @@ from typing import Any
 
 import yaml
 
-from fabric.args import RayArguments
-from registries.datasets.args import DataArguments
+from fabric.ray_args import RayArguments
+from registries.datasets.data_args import DataArguments
 from registries.datasets.errors import describe_type
 from registries.errors import ArgumentError
-from stages.args import (
+from stages.run_args import (
     FinetuningArguments,
     GeneratingArguments,
     ModelArguments,
@@ -35,16 +35,16 @@ from stages.args import (
     trainer_fields,
 )
 from stages.job import JobSpec
-from stages.inference.args import ExportArguments, InferenceArguments
+from stages.inference.inference_args import ExportArguments, InferenceArguments
 from stages.inference.loading import InferenceSpec
-from stages.rl.args import RLArguments
+from stages.rl.rl_args import RLArguments
 
 from .config_types import ConfigError, bool_word, coerce_key
 from .extras import check_extras
 from .lf_compat import apply_lf_compat
 from .paths import resolve_paths
 from .rl_checks import check_rl
-from .serve.args import ServeArguments
+from cluster.serve.serve_args import ServeArguments
 from .training_checks import (
     check_planned_work,
     check_streaming,

@@ -43,7 +43,7 @@ class Console:
         self._started = time.time() if started is None else started  # where the start-up line's clock starts
         self._marks: list[tuple[str, float]] = []  # start-up phases: (what finished, when)
         self._notes_shown: set[str] = set()  # also our own log lines, which training in this process logs too
-        self._in_driver = False  # the plan's answer: training runs in this process (fabric/in_driver.py)
+        self._in_driver = False  # the plan's answer: training runs in this process (fabric/train_in_driver.py)
         self._undo: list = []  # what __enter__ changed, restored last change first
 
     # ------------------------------------------------------------------ what the user reads
@@ -56,7 +56,7 @@ class Console:
 
     def plan(self, cfg, in_driver: bool = False) -> None:
         """What is about to run; printed before Ray starts. ``in_driver``: the training runs in this
-        process (fabric/in_driver.py)."""
+        process (fabric/train_in_driver.py)."""
         model, tuning, data, ray_args = cfg.model, cfg.finetuning, cfg.data, cfg.ray
         method = tuning.finetuning_type + (f" (rank {tuning.lora_rank})" if tuning.finetuning_type == "lora" else "")
         if model.quantization_bit:

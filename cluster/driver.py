@@ -40,7 +40,7 @@ def run_exp(
     console = console or Console()
 
     from fabric.data.prepare import check_data, prepare_datasets
-    from fabric.in_driver import trains_in_driver
+    from fabric.train_in_driver import trains_in_driver
     from fabric.launcher import launch_training
     from fabric.ray_session import connect
     from stages.loading import check_model_fits
@@ -69,7 +69,7 @@ def run_exp(
     if do_train:  # a prediction-only run leaves the model folder's own saved config alone
         cfg.write_yaml()  # the resolved config, so the run can be repeated exactly
     rl = spec.stage.launch == "rl_controller"
-    in_driver = do_train and trains_in_driver(spec, cfg.ray)  # a lone local CPU worker: fabric/in_driver.py
+    in_driver = do_train and trains_in_driver(spec, cfg.ray)  # a lone local CPU worker: fabric/train_in_driver.py
     console.plan(cfg, in_driver)
     console.mark("checks")
     # A streamed dataset is read by Ray tasks that hold a CPU each while they read their whole file;

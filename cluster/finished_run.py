@@ -5,7 +5,7 @@ its last step would otherwise resume at that step and train on: the HF Trainer t
 step past ``max_steps`` and writes checkpoint-N+1, the RL loop evaluates and saves again. The
 check runs before anything is written (the run's log and saved config included), for every stage.
 
-The checkpoint is the one the run would resume from (stages/checkpoint_files.py ``resolve_resume``,
+The checkpoint is the one the run would resume from (stages/training/checkpoints.py ``resolve_resume``,
 the resolver of every stage, so a bad explicit folder is refused here, before anything is written).
 When is the run finished: the checkpoint's step has reached ``max_steps`` when the config sets
 it; without ``max_steps``, the total the run planned (recorded in the checkpoint's manifest) when
@@ -20,7 +20,7 @@ from typing import Optional
 
 import yaml
 
-from stages.checkpoint_files import checkpoint_progress, resolve_resume
+from stages.training.checkpoints import checkpoint_progress, resolve_resume
 
 # The keys that decide how many steps an epoch-counted run has: equal to the saved config's, the
 # checkpoint's recorded total is this config's too.

@@ -91,7 +91,7 @@ def apply_lf_compat(values: dict[str, Any], origin: dict[str, str]) -> list[str]
             notes.append(f"ignored 'group_by_length: false' from {where}: batches are sampled at random by default.")
     if "disable_gradient_checkpointing" in values:
         # LLaMA-Factory checkpoints unless told not to; here the memory planner decides when
-        # gradient_checkpointing is unset (stages/memory_plan.py), so only a true says something.
+        # gradient_checkpointing is unset (stages/training/memory_plan.py), so only a true says something.
         where = origin["disable_gradient_checkpointing"]
         disable = coerce_key("disable_gradient_checkpointing", values.pop("disable_gradient_checkpointing"), bool, where)
         if disable:

@@ -99,7 +99,7 @@ def estimate_checkpoint(cfg) -> CheckpointEstimate:
     is counted as a fresh one of the config's lora_rank."""
     import torch
 
-    from stages.adapters import apply_finetuning, count_parameters
+    from stages.training.adapters import apply_finetuning, count_parameters
     from stages.loading import model_skeleton
 
     model_args, tuning, training = cfg.model, cfg.finetuning, cfg.training

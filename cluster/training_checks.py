@@ -7,8 +7,8 @@ import json
 import os
 import typing
 
-from stages.args import TrainingOptions, TrainingOptionsError
-from stages.checkpoint_files import ResumeError, check_resumable
+from stages.run_args import TrainingOptions, TrainingOptionsError
+from stages.training.checkpoints import ResumeError, check_resumable
 
 from .config_types import ConfigError
 
@@ -113,7 +113,7 @@ def check_streaming(stage_name: str, launch: str, values: dict, where: typing.Ca
 
 
 def check_trainer_checkpoint(path: str, where: typing.Callable[[str], str]) -> None:
-    """An explicit ``resume_from_checkpoint`` must be a committed checkpoint (stages/checkpoint_files.py
+    """An explicit ``resume_from_checkpoint`` must be a committed checkpoint (stages/training/checkpoints.py
     ``check_resumable``, the check every stage's resolver makes at launch too), refused here before
     any work. ``auto`` is resolved at launch: output_dir may only get its checkpoints later."""
     try:

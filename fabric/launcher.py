@@ -12,10 +12,10 @@ from ray.train.backend import BackendConfig
 
 from stages.job import JobSpec
 
-from .args import RayArguments
-from .in_driver import train_here
-from .mailbox import Mailbox
-from .lean_trainer import LeanTrainer
+from fabric.ray_args import RayArguments
+from fabric.train_in_driver import train_here
+from fabric.worker_channel import WorkerChannel
+from fabric.ray_trainer import LeanTrainer
 from .progress import ProgressRelay
 from .worker import WorkerPayload, train_loop
 
@@ -32,7 +32,7 @@ def launch_training(
     callbacks: Iterable["TrainerCallback"] = (), progress: Callable[[dict], None] | None = None,
     in_driver: bool = False,
 ) -> tuple["ray.train.Result", "PreparedData"]:
-    """Fit on ``ray_num_workers`` workers, or in this process (``in_driver``: fabric/in_driver.py
+    """Fit on ``ray_num_workers`` workers, or in this process (``in_driver``: fabric/train_in_driver.py
     says when); the result carries the final metrics and checkpoint.
     ``prepare_data`` tokenizes (fabric/data/prepare.py): called here while the workers start.
     ``progress``, if given, is called on the driver with each of rank 0's Trainer log records."""
@@ -53,7 +53,7 @@ def launch_training(
         # A tokenized dataset goes to every worker whole, as its blocks' object refs: the Trainer's
         # sampler shards (see worker.hf_dataset). Rows arrive in the tokenized order, which exact
         # resume and worker-count parity rely on.
-        handoff = DataHandoff(prepare_data, relay.mailbox)
+        handoff = DataHandoff(prepare_data, relay.channel)
         blocks = handoff.blocks
     payload = WorkerPayload(
         spec, blocks=blocks, use_cpu=not ray_args.uses_gpu, callbacks=[*callbacks, *relay.callbacks],
@@ -99,26 +99,26 @@ class DataHandoff:
     waits on (fabric/worker.py); ``deliver()``, called once the worker group is starting,
     tokenizes and answers it."""
 
-    def __init__(self, prepare_data: Callable[[], "PreparedData"], mailbox=None):
+    def __init__(self, prepare_data: Callable[[], "PreparedData"], channel=None):
         self._prepare_data = prepare_data
-        self._own_mailbox = mailbox is None
-        # The progress relay's mailbox when there is one: a process fewer beside the starting workers.
-        self._mailbox = mailbox if mailbox is not None else Mailbox.remote()
-        self.blocks = self._mailbox.blocks.remote()
+        self._own_channel = channel is None
+        # The progress relay's channel when there is one: a process fewer beside the starting workers.
+        self._channel = channel if channel is not None else WorkerChannel.remote()
+        self.blocks = self._channel.blocks.remote()
         self.data: "PreparedData | None" = None
 
     def deliver(self) -> None:
         self.data = self._prepare_data()
-        self._mailbox.deliver.remote(_block_refs(self.data, with_train=True))
-        if self._own_mailbox:
+        self._channel.deliver.remote(_block_refs(self.data, with_train=True))
+        if self._own_channel:
             ray.get(self.blocks)  # stored in this process (the owner) before the actor goes
             self.close()
 
     def close(self) -> None:
-        """A mailbox of its own goes once the data is delivered (or tokenizing failed): it is a
+        """A channel of its own goes once the data is delivered (or tokenizing failed): it is a
         process that would wake 100 times a second beside the training. Closing twice is harmless."""
-        if self._own_mailbox:
-            ray.kill(self._mailbox)
+        if self._own_channel:
+            ray.kill(self._channel)
 
 
 def _block_refs(data: "PreparedData", with_train: bool) -> dict[str, list["ray.ObjectRef"]]:
@@ -133,7 +133,7 @@ def _backend_config(spec: JobSpec, ray_args: RayArguments) -> BackendConfig:
     """torch.distributed for the workers only where they talk to each other. A lone CPU worker
     trains as one plain process (fabric/worker.py), so its process group would serve nobody,
     and Ray's torch backend is what imports torch into a Train controller actor (on a cluster;
-    fabric/driver_controller.py): ~2 CPU-seconds on the path to starting the worker. DeepSpeed joins the
+    fabric/controller_in_driver.py): ~2 CPU-seconds on the path to starting the worker. DeepSpeed joins the
     group even alone; a GPU worker keeps Ray's CUDA device set-up."""
     if ray_args.ray_num_workers == 1 and not ray_args.uses_gpu and not spec.training.values.get("deepspeed"):
         return BackendConfig()

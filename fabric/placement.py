@@ -23,7 +23,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from registries.errors import UserError
 
-from .args import PLACEMENT_STRATEGIES
+from fabric.ray_args import PLACEMENT_STRATEGIES
 
 # Ray stores resource amounts as fixed point with 4 decimals; a share is rounded *down* to that,
 # or three actors asking 0.33333 would round up to 0.3334 each and overflow their bundle.

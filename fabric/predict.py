@@ -23,7 +23,7 @@ from dataclasses import dataclass, replace
 import ray
 from ray.exceptions import RayTaskError
 
-from registries.datasets.args import DataArguments
+from registries.datasets.data_args import DataArguments
 from registries.datasets.errors import DataConfigError
 from stages.inference.loading import InferenceSpec
 from stages.inference.metrics import mean_scores
@@ -31,7 +31,7 @@ from stages.table import get_stage
 
 # The pipeline's own read -> align -> mix steps and its execution settings (preserve_order,
 # user errors carried whole out of Ray Data tasks), so predict rows are exactly its eval rows.
-from .args import RayArguments
+from fabric.ray_args import RayArguments
 from .data.common import CarriedDataError, carried_user_error, pipeline_context
 from .data.ray_data import aligned_mixed
 

@@ -4,7 +4,7 @@ Ray Train hands the driver nothing until the run ends (``ray.train.report`` goes
 controller, and only at checkpoints). So a small actor keeps the records: rank 0's callback
 sends each one without waiting for an answer, and a driver thread collects them twice a second
 for whatever shows progress there (the CLI's progress bar). A run that trains in the driver
-(fabric/in_driver.py) has its callback call the console directly instead.
+(fabric/train_in_driver.py) has its callback call the console directly instead.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ import time
 import ray
 from transformers import TrainerCallback
 
-from .mailbox import Mailbox
+from fabric.worker_channel import WorkerChannel
 
 logger = logging.getLogger(__name__)
 
@@ -30,9 +30,9 @@ class RelayCallback(TrainerCallback):
 
     SEND_INTERVAL_S = 0.5
 
-    def __init__(self, mailbox, on_record=None):
-        self.mailbox = mailbox
-        self.on_record = on_record  # training in the driver: records go here, with no mailbox between
+    def __init__(self, channel, on_record=None):
+        self.channel = channel
+        self.on_record = on_record  # training in the driver: records go here, with no channel between
         self._stepped = False
         self._pending: list[dict] = []
         self._last_sent = 0.0
@@ -69,7 +69,7 @@ class RelayCallback(TrainerCallback):
         pending, self._pending, self._last_sent = self._pending, [], time.monotonic()
         if self.on_record is None:
             # Fire and forget: calls from one caller run in order, and training never waits on the driver.
-            self.mailbox.put.remote(*pending)
+            self.channel.put.remote(*pending)
             return
         for record in pending:
             try:
@@ -85,24 +85,24 @@ class ProgressRelay:
     def __init__(self, on_record=None, interval_s: float = 0.5):
         self.on_record = on_record
         self.interval_s = interval_s
-        self.mailbox = Mailbox.remote() if on_record is not None else None  # the launcher hands data through it too
-        self.callbacks = [RelayCallback(self.mailbox)] if on_record is not None else []
+        self.channel = WorkerChannel.remote() if on_record is not None else None  # the launcher hands data through it too
+        self.callbacks = [RelayCallback(self.channel)] if on_record is not None else []
         self._stop = threading.Event()
         self._thread = None
 
     def __enter__(self) -> "ProgressRelay":
-        if self.mailbox is not None:
+        if self.channel is not None:
             self._thread = threading.Thread(target=self._pump, name="rayfactory-progress", daemon=True)
             self._thread.start()
         return self
 
     def __exit__(self, *exc) -> None:
-        if self.mailbox is None:
+        if self.channel is None:
             return
         self._stop.set()
         self._thread.join()
         self._deliver()  # what arrived since the last collection
-        ray.kill(self.mailbox)
+        ray.kill(self.channel)
 
     def _pump(self) -> None:
         while not self._stop.wait(self.interval_s):
@@ -110,7 +110,7 @@ class ProgressRelay:
 
     def _deliver(self) -> None:
         try:
-            for record in ray.get(self.mailbox.take.remote()):
+            for record in ray.get(self.channel.take.remote()):
                 self.on_record(record)
         except Exception:  # noqa: BLE001 (showing progress must never stop a run)
             logger.debug("progress relay failed", exc_info=True)

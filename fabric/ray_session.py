@@ -10,7 +10,7 @@ import time
 import ray
 from ray._common.constants import RAY_WARN_BLOCKING_GET_INSIDE_ASYNC_ENV_VAR
 
-from .args import RayArguments
+from fabric.ray_args import RayArguments
 
 logger = logging.getLogger(__name__)
 

@@ -22,7 +22,7 @@ from stages.job import JobSpec
 from stages.rl.roles import PromptRow, RLRun
 
 from .actor_group import ActorGroup, gather
-from .args import RayArguments
+from fabric.ray_args import RayArguments
 from .placement import RoleSpec, place_roles, release
 from .rl_roles import CriticActor, PolicyActor, RayRoles, RewardActor
 
@@ -49,7 +49,7 @@ def launch_rl(spec: JobSpec, ray_args: RayArguments, train_ds: "ray.data.Dataset
               eval_ds: "ray.data.Dataset | None", tokenizer, template,
               progress: Callable[[dict], None] | None = None) -> RLResult:
     from registries.errors import UserError
-    from stages.checkpoint_files import latest_committed, resolve_resume
+    from stages.training.checkpoints import latest_committed, resolve_resume
 
     prompts = prompt_rows(train_ds, tokenizer)
     eval_prompts = prompt_rows(eval_ds, tokenizer) if eval_ds is not None else []

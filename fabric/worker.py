@@ -32,7 +32,7 @@ class WorkerPayload:
     callbacks: list["TrainerCallback"] = field(default_factory=list)
     torch_threads: Optional[int] = None  # ray_threads_per_worker; None: the rule in fabric/threads.py
     whole_node: bool = False  # a lone CPU worker with no stream beside it: it may use every core
-    in_driver: bool = False  # Ray Train's local mode: train_loop runs in the driver (fabric/in_driver.py)
+    in_driver: bool = False  # Ray Train's local mode: train_loop runs in the driver (fabric/train_in_driver.py)
     memory: Optional[float] = None  # in the driver: resources_per_worker's memory (bytes), which no Ray resource holds
 
 
@@ -133,7 +133,7 @@ def _report_callback(in_place: bool = False):
     folder. Without the barrier rank 1, which writes only its RNG file, copies the folder while
     rank 0 is still writing the model and optimizer there (seen: a copy holding only
     rng_state_1.pth, 20-40 ms ahead of rank 0), and a half-written file it uploads last wins.
-    (stages/hf_checkpoints.py's CommitCheckpoints, which runs before this callback, has already
+    (stages/training/hf_checkpoints.py's CommitCheckpoints, which runs before this callback, has already
     written the folder's manifest, so the Ray copy carries it too.)
 
     Ray's own on_save copies the checkpoint-N with the largest N in output_dir. After a resume from
@@ -151,8 +151,8 @@ def _report_callback(in_place: bool = False):
     from ray.train import Checkpoint
     from ray.train.huggingface.transformers import RayTrainReportCallback
 
-    from stages.checkpoint_files import checkpoint_path
-    from stages.hf_checkpoints import wait_for_all_ranks
+    from stages.training.checkpoints import checkpoint_path
+    from stages.training.hf_checkpoints import wait_for_all_ranks
 
     class ReportAfterAllRanksSaved(RayTrainReportCallback):
         def on_save(self, args, state, control, **kwargs):
@@ -174,9 +174,9 @@ def _report_callback(in_place: bool = False):
 
 def _resume_point(requested: Optional[str], output_dir: str) -> Optional[str]:
     """A restarted worker group resumes from Ray's last reported checkpoint; otherwise the user's
-    ``resume_from_checkpoint`` as every stage resolves it (stages/checkpoint_files.py
+    ``resume_from_checkpoint`` as every stage resolves it (stages/training/checkpoints.py
     ``resolve_resume``: ``auto`` is the newest committed checkpoint-N in output_dir, or a fresh start)."""
-    from stages.checkpoint_files import resolve_resume
+    from stages.training.checkpoints import resolve_resume
 
     checkpoint = ray.train.get_checkpoint()
     if checkpoint is not None:
@@ -187,13 +187,13 @@ def _resume_point(requested: Optional[str], output_dir: str) -> Optional[str]:
 
 
 def _memory_budget(payload: WorkerPayload):
-    """What this worker's training step may fill (stages/memory_plan.py): its GPU's free memory; on CPU
+    """What this worker's training step may fill (stages/training/memory_plan.py): its GPU's free memory; on CPU
     the ``memory`` resource of resources_per_worker, else the node's available memory shared by the
     run's workers on this node. Training in the driver, which holds no Ray resources: that
     ``memory`` too, as the payload carries it, else the machine's available memory."""
     import ray.train.torch
 
-    from stages.memory_plan import MemoryBudget, available_system_memory, local_budget
+    from stages.training.memory_plan import MemoryBudget, available_system_memory, local_budget
 
     if not payload.use_cpu:  # Ray Train may show a worker all its node's GPUs; get_device() is this worker's own
         return local_budget(use_cpu=False, device=ray.train.torch.get_device())

@@ -15,17 +15,17 @@ import logging
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Callable, Optional
 
-from registries.datasets.args import DataArguments
+from registries.datasets.data_args import DataArguments
 
-from .args import FinetuningArguments, GeneratingArguments, ModelArguments, TrainingOptions
-from .rl.args import RLArguments
+from stages.run_args import FinetuningArguments, GeneratingArguments, ModelArguments, TrainingOptions
+from stages.rl.rl_args import RLArguments
 from .table import StageSpec
 
 if TYPE_CHECKING:  # heavy imports, only for the annotations
     import datasets
     from transformers import Seq2SeqTrainingArguments, TrainerCallback
 
-    from .memory_plan import MemoryBudget, MemoryPlan
+    from stages.training.memory_plan import MemoryBudget, MemoryPlan
 
 logger = logging.getLogger(__name__)
 
@@ -51,7 +51,7 @@ class JobSpec:
         overrides = {"use_cpu": True} if use_cpu else {}
         # The Trainer's own rotation counts half-written folders and may delete the last good
         # checkpoint for one; CommitCheckpoints (build_trainer) rotates committed ones by the
-        # user's save_total_limit instead (stages/hf_checkpoints.py).
+        # user's save_total_limit instead (stages/training/hf_checkpoints.py).
         overrides["save_total_limit"] = None
         if "disable_tqdm" not in self.training.values:
             # The driver draws the progress bar from rank 0's log records; a worker's own bar only
@@ -98,12 +98,12 @@ class StageJob:
         return load_model(self.spec.model, self.spec.finetuning, tokenizer, self.training_args)
 
     def plan_memory(self) -> Optional["MemoryPlan"]:
-        """Set ``gradient_checkpointing`` from stages/memory_plan.py when the user left it unset
+        """Set ``gradient_checkpointing`` from stages/training/memory_plan.py when the user left it unset
         (before the model loads: loading reads it). Returns the plan, None where the user chose."""
         if "gradient_checkpointing" in self.spec.training.values:
             return None
         from .loading import model_config
-        from .memory_plan import ModelShape, local_budget, plan_memory, training_shape
+        from stages.training.memory_plan import ModelShape, local_budget, plan_memory, training_shape
 
         try:
             model = ModelShape.from_config(model_config(self.spec.model))
@@ -120,7 +120,7 @@ class StageJob:
 
     def build_reference(self, policy, tokenizer):
         """The frozen reference policy the stage needs (none, the adapter-disabled base, or a copy)."""
-        from .preference import build_reference
+        from stages.recipes.preference import build_reference
 
         return build_reference(policy, self.spec.model, self.spec.finetuning, tokenizer, self.training_args)
 
@@ -130,8 +130,8 @@ class StageJob:
 
     def build_trainer(self, trainer_class, model, tokenizer, **extra):
         """`trainer_class` on this worker's data, logging to trainer_log.jsonl, handed to the fabric's hook."""
-        from .callbacks import JsonlLogCallback
-        from .hf_checkpoints import CommitCheckpoints
+        from stages.training.callbacks import JsonlLogCallback
+        from stages.training.hf_checkpoints import CommitCheckpoints
 
         if self.receive_data is not None:
             self.train_dataset, self.eval_dataset = self.receive_data()
@@ -148,7 +148,7 @@ class StageJob:
             # padding-free rows rely on; training never reads the cache anyway.
             self.training_args.use_cache = False
         if getattr(collator, "attention", None):
-            from .example_attention import use_attention
+            from stages.training.per_example_attention import use_attention
 
             use_attention(model, collator.attention)  # e.g. sdpa one example at a time, for one-row batches
         trainer = trainer_class(
@@ -170,7 +170,7 @@ class StageJob:
         adapter or model, the tokenizer with its chat template, state, metrics and the loss plot."""
         import gc
 
-        from .outputs import save_outputs
+        from stages.training.outputs import save_outputs
 
         # Everything made so far (libraries, model, trainer: ~475k objects) lives as long as the
         # run. Frozen, the garbage collector stops re-scanning it: the full collection that

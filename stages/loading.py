@@ -12,7 +12,7 @@ from registries.models import DEMO_PREFIX, demo_model_path, load_tokenizer, tiny
 from registries.templates.autodetect import resolve_template
 from registries.templates.formatters import FunctionFormatter, ToolFormatter
 
-from .adapters import apply_finetuning, check_finetuning_fits, count_parameters
+from stages.training.adapters import apply_finetuning, check_finetuning_fits, count_parameters
 
 logger = logging.getLogger(__name__)
 

@@ -194,43 +194,43 @@ def _load(target: str | Callable) -> Callable:
 # --- the stages ----------------------------------------------------------------------------------
 register_stage(StageSpec(
     "pt", "pre-training: next-token loss on plain text",
-    dataset_need="plain", tokenize="pretrain", collator="collators:padding_collator",
-    runner="causal_lm:run_causal_lm", pack_by_default=True, causal_lm_loss=True,
+    dataset_need="plain", tokenize="pretrain", collator="training.collators:padding_collator",
+    runner="recipes.causal_lm:run_causal_lm", pack_by_default=True, causal_lm_loss=True,
 ))
 register_stage(StageSpec(
     "sft", "supervised fine-tuning: loss on the answers, prompts masked",
-    dataset_need="plain", tokenize="supervised", collator="collators:supervised_collator",
-    runner="causal_lm:run_causal_lm", causal_lm_loss=True, predicts=True,
+    dataset_need="plain", tokenize="supervised", collator="training.collators:supervised_collator",
+    runner="recipes.causal_lm:run_causal_lm", causal_lm_loss=True, predicts=True,
 ))
 register_stage(StageSpec(
     "rm", "reward model: a value head trained on preference pairs",
-    dataset_need="ranking", tokenize="pairwise", collator="collators:pairwise_collator",
-    runner="rm:run_rm", keeps_extra_columns=True, scores=True,
+    dataset_need="ranking", tokenize="pairwise", collator="training.collators:pairwise_collator",
+    runner="recipes.rm:run_rm", keeps_extra_columns=True, scores=True,
 ))
 register_stage(StageSpec(
     "dpo", "direct preference optimisation (pref_loss: sigmoid, hinge, ipo, orpo, simpo)",
-    dataset_need="ranking", tokenize="pairwise", collator="collators:pairwise_collator",
-    runner="dpo:run_dpo", keeps_extra_columns=True, needs_reference=_dpo_reference, takes_pref_loss=True,
+    dataset_need="ranking", tokenize="pairwise", collator="training.collators:pairwise_collator",
+    runner="recipes.dpo:run_dpo", keeps_extra_columns=True, needs_reference=_dpo_reference, takes_pref_loss=True,
 ))
 register_stage(StageSpec(
     "kto", "Kahneman-Tversky optimisation on answers labelled good or bad",
-    dataset_need="kto_tag", tokenize="feedback", collator="collators:kto_collator",
-    runner="kto:run_kto", keeps_extra_columns=True, needs_reference=_always,
+    dataset_need="kto_tag", tokenize="feedback", collator="training.collators:kto_collator",
+    runner="recipes.kto:run_kto", keeps_extra_columns=True, needs_reference=_always,
 ))
 register_stage(StageSpec(
     "grpo", "GRPO: groups of sampled answers scored by reward functions; policy and vLLM rollouts as Ray actors",
-    dataset_need="prompt_only", tokenize="unsupervised", collator="collators:prompt_collator",
-    runner="grpo:run_grpo", launch="rl_controller",
+    dataset_need="prompt_only", tokenize="unsupervised", collator="training.collators:prompt_collator",
+    runner="recipes.grpo:run_grpo", launch="rl_controller",
     needs_reference=_always,  # when beta > 0; beta 0 loads none (stages/rl/policy.py)
     rl=RLSpec(),
 ))
 register_stage(StageSpec(
     "ppo", "PPO: policy, critic, reward model and vLLM rollouts as Ray actor groups, GAE and a KL controller",
-    dataset_need="prompt_only", tokenize="unsupervised", collator="collators:prompt_collator",
-    runner="ppo:run_ppo", launch="rl_controller", needs_reference=_always,
+    dataset_need="prompt_only", tokenize="unsupervised", collator="training.collators:prompt_collator",
+    runner="recipes.ppo:run_ppo", launch="rl_controller", needs_reference=_always,
     rl=RLSpec(
         critic=True, reward_model=True, kl_in_loss=False,
         updates_per_step=_ppo_updates,
-        rl_defaults="rl.args:ppo_defaults", checks=("rl.checks:check_ppo",),
+        rl_defaults="rl.rl_args:ppo_defaults", checks=("rl.checks:check_ppo",),
     ),
 ))

@@ -35,7 +35,7 @@ def ray_session():
     """
     import ray
 
-    from fabric.args import RayArguments
+    from fabric.ray_args import RayArguments
     from fabric.ray_session import connect
 
     connect(RayArguments(ray_num_cpus=4))

@@ -30,10 +30,10 @@ from stages.inference.chat_model import ChatInputError, ChatModel
 from stages.engines.types import PromptTooLong, check_prompt_fits
 from stages.inference.loading import InferenceSpec
 from stages.inference.scoring import is_reward_output
-from stages.value_head import VALUE_HEAD_FILE
+from stages.training.value_head import VALUE_HEAD_FILE
 
 from . import protocol as p
-from .args import RequestLimits, ServeArguments, resolve_api_key
+from cluster.serve.serve_args import RequestLimits, ServeArguments, resolve_api_key
 
 DEPLOYMENT = "ChatServer"
 

@@ -19,7 +19,7 @@ import yaml
 
 from registries.errors import UserError
 
-from .args import resolve_api_key
+from cluster.serve.serve_args import resolve_api_key
 
 _REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 APP_NAME = "rayfactory"

@@ -128,7 +128,7 @@ class Runs:
 
     def status(self, job_id: str) -> dict[str, Any]:
         """The job's state, its trainer_log.jsonl records and the tail of its console."""
-        from stages.callbacks import read_log
+        from stages.training.callbacks import read_log
 
         run = self.get(job_id)
         client = self._client(run.address)

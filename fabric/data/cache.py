@@ -14,7 +14,7 @@ from typing import Optional
 
 import ray
 
-from registries.datasets.args import DataArguments
+from registries.datasets.data_args import DataArguments
 from registries.datasets.errors import DataConfigError
 from registries.datasets.info import train_and_eval_attrs
 from registries.datasets.readers import source_paths

@@ -12,7 +12,7 @@ from typing import Optional
 import ray
 from ray.exceptions import UserCodeException
 
-from registries.datasets.args import DataArguments
+from registries.datasets.data_args import DataArguments
 from registries.datasets.errors import DataConfigError, DatasetRowError
 from registries.datasets.stage_fields import DATASET_NEEDS
 from stages.table import StageSpec

@@ -18,7 +18,7 @@ from typing import Optional
 
 import ray
 
-from registries.datasets.args import DataArguments
+from registries.datasets.data_args import DataArguments
 from registries.datasets.errors import DataConfigError
 from registries.datasets.info import train_and_eval_attrs
 from registries.datasets.readers import data_files, source_paths
@@ -27,7 +27,7 @@ from stages.table import StageSpec
 
 from . import cache
 from .common import pipeline_context
-from .in_driver import tokenized_in_driver
+from fabric.data.tokenize_in_driver import tokenized_in_driver
 from .ray_data import tokenized_splits
 from .streaming import streamed_splits
 

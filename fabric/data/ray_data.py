@@ -15,7 +15,7 @@ import logging
 import ray
 
 from registries.datasets.aligner import ALIGNED_COLUMNS, SHOWN_SKIPPED, align_batch, aligned_table, bad_rows_batch
-from registries.datasets.args import DataArguments
+from registries.datasets.data_args import DataArguments
 from registries.datasets.errors import DataConfigError
 from registries.datasets.info import get_dataset_attrs
 from registries.datasets.loading import check_not_empty, report_skipped

@@ -21,7 +21,7 @@ import logging
 
 import ray
 
-from registries.datasets.args import DataArguments
+from registries.datasets.data_args import DataArguments
 from registries.datasets.errors import DataConfigError, DatasetRowError
 from registries.datasets.info import get_dataset_attrs
 from registries.datasets.readers import iter_file_tables, read_table

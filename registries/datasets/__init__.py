@@ -16,7 +16,7 @@ from .aligner import (
     bad_rows_batch,
     skip_report,
 )
-from .args import DataArguments
+from registries.datasets.data_args import DataArguments
 from .errors import DataConfigError, DatasetRowError
 from .formats import register_format
 from .info import DatasetAttr, get_dataset_attrs, load_dataset_info, parse_entry

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .aligner import SHOWN_SKIPPED, align_rows, skipped_summary
-from .args import DataArguments
+from registries.datasets.data_args import DataArguments
 from .errors import DataConfigError, DatasetRowError
 from .info import DatasetAttr, get_dataset_attrs
 from .mixing import mix, train_val_split

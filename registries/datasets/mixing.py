@@ -21,7 +21,7 @@ import math
 import random
 from typing import Sequence, TypeVar
 
-from .args import MIX_STRATEGIES
+from registries.datasets.data_args import MIX_STRATEGIES
 from .errors import DataConfigError
 
 T = TypeVar("T")

@@ -17,8 +17,8 @@ from dataclasses import replace
 from registries.errors import UserError
 from registries.templates.jinja import to_jinja
 
-from ..value_head import VALUE_HEAD_FILE
-from .args import ExportArguments
+from stages.training.value_head import VALUE_HEAD_FILE
+from stages.inference.inference_args import ExportArguments
 from .loading import InferenceSpec, load_hf_model, load_tokenizer_and_template
 
 # Written last into every export: marks a folder a later export may replace.
@@ -61,7 +61,7 @@ def export_model(spec: InferenceSpec, export: ExportArguments, log=print) -> lis
     tokenizer.chat_template = to_jinja(template, tokenizer)  # prompts formatted as in training
     tokenizer.save_pretrained(out)
     head = os.path.join(spec.output_folder, VALUE_HEAD_FILE)
-    if os.path.isfile(head):  # a reward model: stages.value_head.load_reward_model(export_dir) works
+    if os.path.isfile(head):  # a reward model: stages.training.value_head.load_reward_model(export_dir) works
         shutil.copyfile(head, os.path.join(out, VALUE_HEAD_FILE))
     with open(os.path.join(out, EXPORT_NOTE), "w", encoding="utf-8") as f:
         json.dump({"base_model": spec.model.model_name_or_path, "adapters": spec.adapters, "template": template.name,

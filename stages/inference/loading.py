@@ -12,14 +12,14 @@ from dataclasses import dataclass, field, replace
 
 import yaml
 
-from registries.datasets.args import DataArguments
+from registries.datasets.data_args import DataArguments
 from registries.errors import UserError
 from registries.templates.autodetect import AUTO
 
-from ..args import FinetuningArguments, GeneratingArguments, ModelArguments
+from stages.run_args import FinetuningArguments, GeneratingArguments, ModelArguments
 from ..loading import load_tokenizer_and_template as training_tokenizer_and_template
 from ..loading import resolve_model_path
-from .args import InferenceArguments
+from stages.inference.inference_args import InferenceArguments
 
 SAVED_CONFIG = "rayfactory_config.yaml"  # written by every training run (cluster/config.py)
 DEFAULT_ADAPTER = "default"

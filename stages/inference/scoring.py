@@ -12,9 +12,9 @@ import os
 from registries.errors import UserError
 from registries.tokenize.pairwise import encode_pairwise_example
 
-from ..collators import PaddingCollator
+from stages.training.collators import PaddingCollator
 from ..loading import resolve_model_path
-from ..value_head import VALUE_HEAD_FILE, load_reward_model, score
+from stages.training.value_head import VALUE_HEAD_FILE, load_reward_model, score
 from .chat_model import ChatInputError
 from .loading import InferenceSpec, load_tokenizer_and_template
 

@@ -1,7 +1,7 @@
 """What the RL stages (grpo, ppo) put into a checkpoint: the controller's state and each trainable role's part.
 
 Committing, listing, resolving ``resume_from_checkpoint`` and pruning are every stage's
-(stages/checkpoint_files.py): the RL loop (stages/rl/loop.py) has the roles write into a
+(stages/training/checkpoints.py): the RL loop (stages/rl/loop.py) has the roles write into a
 ``staging_folder``, writes the controller's state there as ``rl_state.json`` (``write_state``),
 and ``commit_checkpoint`` names it ``checkpoint-{step}``. This module holds what is RL's own: that
 state file, and what a trainable role (policy, critic) saves with ``save_role_state`` and puts back
@@ -17,7 +17,7 @@ import random
 import numpy as np
 import torch
 
-from ..checkpoint_files import RL_STATE_FILE, ResumeError, write_json_atomically
+from stages.training.checkpoints import RL_STATE_FILE, ResumeError, write_json_atomically
 
 STATE_FILE = RL_STATE_FILE  # the controller's state: the step, the planned total, the recipe's counters
 

@@ -16,7 +16,7 @@ class RLConfigError(UserError):
 
 def check_ppo(run, where: Callable[[str], str]) -> None:
     """Stage ppo's scorers (reward model and/or reward functions), critic and mini-batches."""
-    from ..value_head import VALUE_HEAD_FILE, is_adapter_folder
+    from stages.training.value_head import VALUE_HEAD_FILE, is_adapter_folder
 
     tuning, rl = run.finetuning, run.rl
     if not tuning.reward_model and not rl.reward_funcs:

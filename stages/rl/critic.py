@@ -37,8 +37,8 @@ class CriticWorker(TrainableRole):
         self.model = None
 
     def setup(self, rank: int, world_size: int, total_updates: int) -> dict:
-        from ..adapters import count_parameters
-        from ..preference import disable_dropout
+        from stages.training.adapters import count_parameters
+        from stages.recipes.preference import disable_dropout
 
         torch.manual_seed(self.spec.training.seed)  # the same fresh head / LoRA init on every rank
         model = self._load()
@@ -55,7 +55,7 @@ class CriticWorker(TrainableRole):
         from dataclasses import replace
 
         from ..loading import load_model, load_tokenizer_and_template
-        from ..value_head import ValueHeadModel, is_adapter_folder
+        from stages.training.value_head import ValueHeadModel, is_adapter_folder
 
         spec = self.spec
         self.tokenizer, _ = load_tokenizer_and_template(spec.model, spec.data)

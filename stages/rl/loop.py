@@ -1,7 +1,7 @@
 """What every RL recipe's loop shares: step counts, prompt batches, grouping completions into
 samples, greedy evaluation, and where the run stands (its log, its checkpoints, its resume).
 
-A recipe (stages/grpo.py, stages/ppo.py) asks ``RunProgress`` for the step to start from and the
+A recipe (stages/recipes/grpo.py, stages/recipes/ppo.py) asks ``RunProgress`` for the step to start from and the
 prompt batches from there, and hands it each finished step to log and, every ``save_steps``, to
 checkpoint. Resuming replays nothing but the prompt order: the roles load their weights,
 optimizers, schedules and RNG, the recipe its own counters (KL coefficient, score statistics),
@@ -16,8 +16,8 @@ import random
 import time
 from typing import Callable, Iterator, TypeVar
 
-from ..callbacks import truncate_log
-from ..checkpoint_files import commit_checkpoint, staging_folder, uncommit_after
+from stages.training.callbacks import truncate_log
+from stages.training.checkpoints import commit_checkpoint, staging_folder, uncommit_after
 from . import checkpoint as ckpt
 from .roles import PromptRow, RLRun
 from .steplog import PhaseTimer, StepLog, write_results
@@ -104,7 +104,7 @@ class RunProgress:
             self.emit(self.total_steps, final)
         self.run.roles.save(self.output_dir)
         if self.run.spec.finetuning.plot_loss:
-            from ..outputs import plot_loss
+            from stages.training.outputs import plot_loss
 
             plot_loss(self.output_dir, keys=plot_keys)
         results = {"total_steps": self.total_steps, "train_runtime": round(time.time() - self.started, 3),

@@ -40,9 +40,9 @@ class PolicyWorker(TrainableRole):
     def setup(self, rank: int, world_size: int, total_updates: int) -> dict:
         """Load tokenizer, model, reference; build optimizer and schedule. Called once per rank
         after the process group exists. Returns parameter counts for the run's plan."""
-        from ..adapters import count_parameters
+        from stages.training.adapters import count_parameters
         from ..loading import load_model, load_tokenizer_and_template
-        from ..preference import Reference, build_reference, disable_dropout
+        from stages.recipes.preference import Reference, build_reference, disable_dropout
 
         spec, options = self.spec, self.spec.training
         torch.manual_seed(options.seed)  # the same LoRA initialisation on every rank

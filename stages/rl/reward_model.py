@@ -36,7 +36,7 @@ class RewardModelWorker:
 
     def setup(self) -> dict:
         from ..loading import load_tokenizer_and_template, resolve_model_path
-        from ..value_head import load_reward_model
+        from stages.training.value_head import load_reward_model
 
         spec, tuning = self.spec, self.spec.finetuning
         tokenizer, template = load_tokenizer_and_template(spec.model, spec.data)
@@ -58,7 +58,7 @@ class RewardModelWorker:
 
     def scores(self, samples: list[RolloutSample]) -> list[float]:
         """One score per completion, in order."""
-        from ..value_head import score
+        from stages.training.value_head import score
 
         rows = [s.prompt_ids + s.completion_ids + (self.suffix if self._finished(s) else []) for s in samples]
         out: list[float] = []

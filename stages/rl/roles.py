@@ -1,6 +1,6 @@
 """What an RL recipe is handed: its roles behind one interface, its prompts, and a step hook.
 
-The recipe (stages/grpo.py) says *what* happens in a step; fabric/ decides *where* each role
+The recipe (stages/recipes/grpo.py) says *what* happens in a step; fabric/ decides *where* each role
 runs (policy ranks and vLLM engines as Ray actors on placement groups) and implements
 ``RLRoles`` on top of them. Keeping the protocol here keeps stages free of placement.
 """

@@ -12,7 +12,7 @@ import json
 import os
 import time
 
-from ..callbacks import LOG_FILE, read_log
+from stages.training.callbacks import LOG_FILE, read_log
 
 
 class PhaseTimer:

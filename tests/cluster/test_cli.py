@@ -135,8 +135,8 @@ def test_every_user_error_class_shares_one_base():
     from cluster.config import ConfigError
     from registries.datasets.errors import DataConfigError
     from registries.errors import ArgumentError
-    from stages.adapters import AdapterError
-    from stages.args import TrainingOptionsError
+    from stages.training.adapters import AdapterError
+    from stages.run_args import TrainingOptionsError
 
     for cls in (ConfigError, DataConfigError, DatasetRowError, AdapterError, TrainingOptionsError, ArgumentError):
         assert issubclass(cls, UserError), cls

@@ -11,12 +11,12 @@ import yaml
 
 from cluster.config import ConfigError, key_owners, load_config, parse_override
 from cluster.lf_compat import IGNORED_KEYS, MULTIMODAL_KEYS, UNSUPPORTED_KEYS
-from cluster.serve.args import ServeArguments
-from fabric.args import RayArguments
-from registries.datasets.args import DataArguments
-from stages.args import FinetuningArguments, GeneratingArguments, ModelArguments, trainer_fields
-from stages.inference.args import ExportArguments, InferenceArguments
-from stages.rl.args import RLArguments
+from cluster.serve.serve_args import ServeArguments
+from fabric.ray_args import RayArguments
+from registries.datasets.data_args import DataArguments
+from stages.run_args import FinetuningArguments, GeneratingArguments, ModelArguments, trainer_fields
+from stages.inference.inference_args import ExportArguments, InferenceArguments
+from stages.rl.rl_args import RLArguments
 from tests.cluster.conftest import BASE, error_of, write
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))

@@ -59,7 +59,7 @@ def test_chunked_loss_true_under_zero_3_is_refused():
     assert load_config({**BASE, "deepspeed": "z3.json"}).finetuning.chunked_loss is None  # auto: plain loss there
 
 
-class Mailbox:
+class WorkerChannel:
     """Stands in for the Ray actor: records what rank 0 sends."""
 
     def __init__(self):
@@ -77,10 +77,10 @@ class State:
 
 
 def test_the_memory_plan_reaches_the_console_once(capsys):
-    relay = RelayCallback(Mailbox())
+    relay = RelayCallback(WorkerChannel())
     relay.notes.append("memory plan: gradient checkpointing off: ~0.1 GiB fit 9.9 GiB")
     relay.on_train_begin(None, State(), None)
-    (begin,) = relay.mailbox.records
+    (begin,) = relay.channel.records
     assert begin["event"] == "begin" and begin["notes"] == ["memory plan: gradient checkpointing off: ~0.1 GiB fit 9.9 GiB"]
     console = Console(verbose=True)
     console.progress(begin)

@@ -1,4 +1,4 @@
-"""train_in_driver: which runs may train in the driver process (fabric/in_driver.py), and the
+"""train_in_driver: which runs may train in the driver process (fabric/train_in_driver.py), and the
 one error for a config that insists on it where a Ray Train worker group is needed."""
 
 from __future__ import annotations
@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from cluster.config import load_config
-from fabric.args import RayArguments
+from fabric.ray_args import RayArguments
 from tests.cluster.conftest import BASE, error_of
 
 LONE_LOCAL = dict(streaming=False, deepspeed=False, rl=False)

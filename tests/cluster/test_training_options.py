@@ -9,7 +9,7 @@ import os
 import pytest
 
 from cluster.config import ConfigError, load_config
-from stages.checkpoint_files import write_manifest
+from stages.training.checkpoints import write_manifest
 from tests.cluster.conftest import BASE, error_of, write
 
 pytestmark = pytest.mark.usefixtures("in_tmp")

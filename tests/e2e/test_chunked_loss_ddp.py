@@ -6,7 +6,7 @@ skipped and the ranks' weights, and so the losses after the first step, would dr
 from __future__ import annotations
 
 from cluster.driver import run_exp
-from stages.callbacks import read_log
+from stages.training.callbacks import read_log
 from tests.e2e.conftest import tiny_sft_config
 
 

@@ -17,7 +17,7 @@ import yaml
 from tests.e2e.conftest import REPO_ROOT, example_config
 
 # The quickstart as it is (two Ray Train workers), and with one worker, which trains in the
-# driver process by default (fabric/in_driver.py).
+# driver process by default (fabric/train_in_driver.py).
 MODES = {"in the driver": {"ray_num_workers": 1}, "in workers": {}}
 
 # Plan (5), data ready, where it trains, the memory plan, trainable params (in the driver), the bar

@@ -128,7 +128,7 @@ def test_driver_engine_gives_ray_datas_blocks(prepare, overrides):
 
 def test_auto_engine_tokenizes_small_files_in_the_driver(tmp_path):
     from fabric.data.prepare import DRIVER_MAX_BYTES, tokenizes_in_driver
-    from registries.datasets.args import DataArguments
+    from registries.datasets.data_args import DataArguments
 
     demo = DataArguments(dataset="arith_train,tasks_sharegpt", eval_dataset="arith_eval", dataset_dir=DATA_DIR)
     assert tokenizes_in_driver(demo)
@@ -206,7 +206,7 @@ def own_data(tmp_path):
 
 def test_tokenized_path_is_reused_without_the_source_data(prepare, own_data, tmp_path, sft_config, caplog):
     from cluster.driver import run_exp
-    from stages.callbacks import read_log
+    from stages.training.callbacks import read_log
 
     caplog.set_level(logging.INFO, logger="fabric")  # what the CLI's console shows
     cache = tmp_path / "tokenized"

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from cluster.driver import run_exp
-from stages.callbacks import read_log
+from stages.training.callbacks import read_log
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 DS_DIR = os.path.join(REPO_ROOT, "configs", "deepspeed")

@@ -13,7 +13,7 @@ from __future__ import annotations
 import pytest
 
 from cluster.driver import run_exp
-from stages.callbacks import read_log
+from stages.training.callbacks import read_log
 from tests.e2e.conftest import example_config
 
 

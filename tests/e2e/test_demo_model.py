@@ -18,7 +18,7 @@ import yaml
 from cluster.api import ChatModel
 from cluster.driver import run_exp
 from registries.synthetic.identity import DEMO_AUTHOR, DEMO_NAME
-from stages.callbacks import read_log
+from stages.training.callbacks import read_log
 from tests.e2e.conftest import DATA_DIR, REPO_ROOT
 
 BASE = {"model_name_or_path": "demo:smollm2-135m-instruct", "template": "smollm2", "temperature": 0,

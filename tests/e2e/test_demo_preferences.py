@@ -19,11 +19,11 @@ import yaml
 
 from cluster.driver import run_exp
 from registries.datasets import DataArguments
-from stages.args import ModelArguments
-from stages.callbacks import read_log
+from stages.run_args import ModelArguments
+from stages.training.callbacks import read_log
 from stages.loading import load_tokenizer_and_template
-from stages.preference import judge_adapter
-from stages.value_head import load_reward_model, reward_accuracy
+from stages.recipes.preference import judge_adapter
+from stages.training.value_head import load_reward_model, reward_accuracy
 from tests.e2e.conftest import DATA_DIR, REPO_ROOT, tokenized_pairs
 
 
@@ -40,7 +40,7 @@ def example_config(name: str, tmp_path, evaluate: bool = False, **overrides) -> 
 
 
 def held_out_report(adapter_dir: str, beta: float | None) -> dict:
-    """stages.preference.judge_adapter on arith_pref_eval; ``beta`` None: no implied reward."""
+    """stages.recipes.preference.judge_adapter on arith_pref_eval; ``beta`` None: no implied reward."""
     return judge_adapter(adapter_dir, "arith_pref_eval", DATA_DIR, beta)
 
 

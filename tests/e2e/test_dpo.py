@@ -4,7 +4,7 @@ a run resumes from its checkpoint, and the example configs run.
 
 Learning is judged on held-out pairs (arith_pref_eval: unseen "What is a+b?" prompts, the right
 sum against a near miss): the fraction where the saved policy gives the right answer the higher
-log-prob (stages.preference.preference_accuracy), before and after training.
+log-prob (stages.recipes.preference.preference_accuracy), before and after training.
 """
 
 from __future__ import annotations
@@ -22,10 +22,10 @@ from transformers import TrainerCallback
 from cluster.config import load_config
 from cluster.driver import run_exp
 from registries.datasets import DataArguments
-from stages.args import ModelArguments
-from stages.callbacks import read_log
+from stages.run_args import ModelArguments
+from stages.training.callbacks import read_log
 from stages.loading import load_tokenizer_and_template, resolve_model_path
-from stages.preference import preference_accuracy
+from stages.recipes.preference import preference_accuracy
 from tests.e2e.conftest import REPO_ROOT, assert_rerun_of_a_finished_run_trains_nothing, example_config, tokenized_pairs
 
 # Ray pickles the callbacks to the workers, which cannot import this test module by name.

@@ -14,7 +14,7 @@ import pytest
 
 from cluster.config import load_config
 from cluster.driver import run_exp
-from stages.callbacks import read_log
+from stages.training.callbacks import read_log
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 CONFIG_DIR = os.path.join(REPO_ROOT, "configs")

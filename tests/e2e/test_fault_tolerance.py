@@ -20,7 +20,7 @@ from ray.train.v2._internal.constants import DEFAULT_HEALTH_CHECK_INTERVAL_S as 
 from transformers import TrainerCallback
 
 from cluster.driver import run_exp
-from stages.callbacks import read_log
+from stages.training.callbacks import read_log
 from tests.e2e.weights import WEIGHT_TOL, final_weights_gap
 
 # Ray pickles the callbacks to the workers, which cannot import this test module by name.

@@ -23,7 +23,7 @@ from cluster.driver import run_exp
 from registries.models import load_tokenizer
 from registries.templates import get_template
 from registries.tokenize.pretrain import bos_id, document_eos_id
-from stages.callbacks import read_log
+from stages.training.callbacks import read_log
 from stages.loading import resolve_model_path
 from tests.e2e.conftest import own_lines
 

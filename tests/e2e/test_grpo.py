@@ -17,7 +17,7 @@ import pytest
 from cluster.config import ConfigError, load_config
 from cluster.driver import run_exp
 from fabric.placement import PlacementError
-from stages.callbacks import read_log
+from stages.training.callbacks import read_log
 from stages.rl.loop import every
 from tests.e2e.conftest import DATA_DIR, example_config
 

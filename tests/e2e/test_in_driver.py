@@ -1,4 +1,4 @@
-"""Training in the driver (fabric/in_driver.py): what such a run hands back.
+"""Training in the driver (fabric/train_in_driver.py): what such a run hands back.
 
 Its losses against a Ray Train worker's are in test_worker_parity.py; Ctrl-C and the console in
 test_console.py; a killed run resumed from its newest intact checkpoint in test_resume.py.
@@ -12,7 +12,7 @@ import pytest
 from transformers import TrainerCallback
 
 from cluster.driver import run_exp
-from stages.checkpoint_files import has_manifest
+from stages.training.checkpoints import has_manifest
 
 
 def test_the_reported_checkpoint_is_the_committed_folder_in_output_dir(ray_session, sft_config):

@@ -21,7 +21,7 @@ import yaml
 from cluster import local_head
 from cluster.local_head import Head
 from cluster.submit import build_submit_command
-from stages.callbacks import read_log
+from stages.training.callbacks import read_log
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 VENV_BIN = os.path.dirname(sys.executable)

@@ -3,7 +3,7 @@ are learned, and a dataset without desirable/undesirable tags is refused before 
 
 Learning is judged as for dpo: on held-out pairs (arith_pref_eval: unseen "What is a+b?" prompts,
 the correct sum against a near miss), the fraction where the trained policy gives the correct
-answer the higher log-prob (stages.preference.preference_accuracy).
+answer the higher log-prob (stages.recipes.preference.preference_accuracy).
 """
 
 from __future__ import annotations
@@ -18,10 +18,10 @@ import yaml
 from cluster.cli import USER_ERROR_EXIT, main
 from cluster.driver import run_exp
 from registries.datasets import DataArguments
-from stages.args import ModelArguments
-from stages.callbacks import read_log
+from stages.run_args import ModelArguments
+from stages.training.callbacks import read_log
 from stages.loading import load_tokenizer_and_template, resolve_model_path
-from stages.preference import pairwise_logps, preference_accuracy
+from stages.recipes.preference import pairwise_logps, preference_accuracy
 from tests.e2e.conftest import (
     DATA_DIR,
     assert_rerun_of_a_finished_run_trains_nothing,

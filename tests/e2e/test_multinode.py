@@ -29,7 +29,7 @@ import pytest
 from safetensors.torch import load_file
 from transformers import TrainerCallback
 
-from stages.callbacks import read_log
+from stages.training.callbacks import read_log
 from tests.e2e.conftest import REPO_ROOT, tiny_sft_config
 
 MAX_STEPS, SAVE_STEPS, KILL_STEP = 10, 3, 5  # checkpoints at 3, 6, 9; the node dies between 3 and 6

@@ -30,9 +30,9 @@ from stages.engines.hf_backend import HFEngine
 from stages.rl.reward_model import RewardModelWorker
 from stages.engines.types import SamplingSpec
 from stages.rl.types import RolloutSample
-from stages.callbacks import read_log
+from stages.training.callbacks import read_log
 from stages.rl.critic import CRITIC_DIR
-from stages.value_head import VALUE_HEAD_FILE
+from stages.training.value_head import VALUE_HEAD_FILE
 from tests.e2e.conftest import example_config
 
 PPO_STEPS = 60

@@ -12,7 +12,7 @@ import torch
 from transformers import TrainerCallback
 
 from cluster.driver import run_exp
-from stages.callbacks import read_log
+from stages.training.callbacks import read_log
 
 # Ray pickles the callbacks to the workers, which cannot import this test module by name.
 ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
@@ -59,7 +59,7 @@ class InspectModel(TrainerCallback):
 def _load(quantization_bit, adapter=None, is_trainable=False):
     """The project's own load path (stages.loading), as chat/export would reload an adapter."""
     from registries.models import load_tokenizer
-    from stages.args import FinetuningArguments, ModelArguments
+    from stages.run_args import FinetuningArguments, ModelArguments
     from stages.loading import load_model, resolve_model_path
 
     model_args = ModelArguments(model_name_or_path="tiny:qwen2", quantization_bit=quantization_bit,

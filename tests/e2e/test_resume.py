@@ -29,8 +29,8 @@ from transformers import TrainerCallback
 from cluster.config import ConfigError
 from cluster.driver import run_exp
 from fabric.launcher import default_run_name
-from stages.callbacks import LOG_FILE, read_log
-from stages.checkpoint_files import MANIFEST_NAME
+from stages.training.callbacks import LOG_FILE, read_log
+from stages.training.checkpoints import MANIFEST_NAME
 from tests.e2e.conftest import REPO_ROOT, output_files
 
 # Ray pickles the callbacks to the workers, which cannot import this test module by name.

@@ -19,7 +19,7 @@ import ray.cloudpickle
 from ray.cluster_utils import Cluster
 
 from fabric.actor_group import ActorGroup, RoleWorker, concat, split_evenly
-from fabric.args import RayArguments
+from fabric.ray_args import RayArguments
 from fabric.placement import PlacementError, RoleSpec, place_roles, release
 from fabric.ray_session import connect
 from registries.errors import ArgumentError

@@ -28,7 +28,7 @@ import torch
 from safetensors.torch import load_file
 
 from cluster.driver import run_exp
-from stages.callbacks import read_log
+from stages.training.callbacks import read_log
 from stages.rl.checkpoint import STATE_FILE
 from tests.e2e.conftest import DATA_DIR, REPO_ROOT, assert_rerun_of_a_finished_run_trains_nothing
 

@@ -18,11 +18,11 @@ from transformers import TrainerCallback
 
 from cluster.driver import run_exp
 from registries.datasets import DataArguments
-from stages.args import ModelArguments
-from stages.callbacks import read_log
-from stages.collators import PairwiseCollator
+from stages.run_args import ModelArguments
+from stages.training.callbacks import read_log
+from stages.training.collators import PairwiseCollator
 from stages.loading import load_tokenizer_and_template
-from stages.value_head import VALUE_HEAD_FILE, load_reward_model, reward_accuracy, score
+from stages.training.value_head import VALUE_HEAD_FILE, load_reward_model, reward_accuracy, score
 from tests.e2e.conftest import (
     DATA_DIR,
     REPO_ROOT,

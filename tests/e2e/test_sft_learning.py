@@ -20,7 +20,7 @@ from registries.models import load_tokenizer
 from registries.templates import get_template
 from registries.tokenize import IGNORE_INDEX
 from registries.tokenize.supervised import encode_supervised_example
-from stages.callbacks import read_log
+from stages.training.callbacks import read_log
 from tests.replies import chat_replies, exact_match
 from stages.loading import resolve_model_path
 from tests.e2e.conftest import REPO_ROOT

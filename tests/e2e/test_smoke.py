@@ -3,7 +3,7 @@
 import os
 
 from cluster.driver import run_exp
-from stages.callbacks import read_log
+from stages.training.callbacks import read_log
 
 
 def test_sft_run_writes_outputs_and_loss_falls(ray_session, sft_config):

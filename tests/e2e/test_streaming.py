@@ -19,9 +19,9 @@ from transformers import TrainerCallback
 from cluster.driver import run_exp
 from registries.datasets import DataArguments, load_aligned
 from registries.datasets.errors import DataConfigError
-from stages.callbacks import read_log
+from stages.training.callbacks import read_log
 from stages.loading import load_tokenizer_and_template
-from stages.args import ModelArguments
+from stages.run_args import ModelArguments
 from stages.table import STAGES
 
 from tests.e2e.conftest import DATA_DIR, assert_rerun_of_a_finished_run_trains_nothing

@@ -18,7 +18,7 @@ import sys
 
 import pytest
 
-from stages.callbacks import read_log
+from stages.training.callbacks import read_log
 from tests.e2e.conftest import own_lines
 
 RAYFACTORY = os.path.join(os.path.dirname(sys.executable), "rayfactory")

@@ -21,7 +21,7 @@ from ray import cloudpickle
 from transformers import TrainerCallback
 
 from cluster.driver import run_exp
-from stages.callbacks import read_log
+from stages.training.callbacks import read_log
 
 from tests.e2e.conftest import tiny_sft_config
 
@@ -118,7 +118,7 @@ def _one_epoch_of_16_rows(output_dir, **overrides) -> dict:
 @pytest.fixture(scope="module")
 def one_worker(ray_session, tmp_path_factory):
     """The same epoch on one Ray Train worker x 16 rows (train_in_driver: false keeps the worker
-    group a lone local worker would otherwise skip: fabric/in_driver.py); the actors it started."""
+    group a lone local worker would otherwise skip: fabric/train_in_driver.py); the actors it started."""
     out = tmp_path_factory.mktemp("one_worker")
     with contextlib.suppress(ValueError):  # a session's earlier Ray Data run may have started it
         ray_session.kill(ray_session.get_actor(COORDINATOR, namespace=COORDINATOR))
@@ -133,9 +133,9 @@ def test_two_workers_match_one_worker_on_the_same_global_batch(one_worker, two_w
     two_dir, _ = two_workers
     one_dir, started, wrap = one_worker
     # Ray Train's worker; none of the helper actors a run on its own local Ray with a tokenized
-    # dataset leaves unused (fabric/lean_trainer.py; the data, small, was tokenized in the driver:
+    # dataset leaves unused (fabric/ray_trainer.py; the data, small, was tokenized in the driver:
     # no Ray Data), and no controller actor: on the run's own local Ray the controller runs in the
-    # driver (fabric/driver_controller.py).
+    # driver (fabric/controller_in_driver.py).
     assert "RayTrainWorker" in started, started
     unused = {"TrainController", "DatasetManager", "PlacementGroupCleaner", "PreemptionWatcher",
               "_AutoscalingCoordinatorActor", "_StatsActor"}

@@ -17,9 +17,9 @@ def make_adapter_output(folder, seed: int, rank: int = 8, model=None) -> str:
     """An adapter folder like a LoRA sft run leaves: adapter, tokenizer with the training chat
     template, rayfactory_config.yaml naming the template. ``model``: a fitted PeftModel to save
     instead of a random adapter."""
-    from registries.datasets.args import DataArguments
+    from registries.datasets.data_args import DataArguments
     from registries.templates.jinja import to_jinja
-    from stages.args import ModelArguments
+    from stages.run_args import ModelArguments
     from stages.loading import load_tokenizer_and_template, resolve_model_path
 
     tokenizer, template = load_tokenizer_and_template(ModelArguments(model_name_or_path=BASE), DataArguments(template=TEMPLATE))
@@ -95,8 +95,8 @@ def make_tool_caller_output(folder, steps: int = 300) -> str:
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM
 
-    from registries.datasets.args import DataArguments
-    from stages.args import ModelArguments
+    from registries.datasets.data_args import DataArguments
+    from stages.run_args import ModelArguments
     from stages.loading import load_tokenizer_and_template, resolve_model_path
 
     tokenizer, template = load_tokenizer_and_template(ModelArguments(model_name_or_path=BASE), DataArguments(template=TEMPLATE))

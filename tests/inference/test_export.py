@@ -29,7 +29,7 @@ def make_reward_output(folder, seed: int) -> str:
     from transformers import AutoModelForCausalLM
 
     from stages.loading import resolve_model_path
-    from stages.value_head import ValueHeadModel
+    from stages.training.value_head import ValueHeadModel
 
     folder = make_adapter_output(folder, seed)
     base = AutoModelForCausalLM.from_pretrained(resolve_model_path(BASE), dtype=torch.float32)
@@ -146,7 +146,7 @@ def test_legacy_format_writes_bin_files_over_a_previous_export(tmp_path, adapter
 
 
 def test_reward_model_export_keeps_its_value_head(tmp_path):
-    from stages.value_head import VALUE_HEAD_FILE, load_reward_model, score
+    from stages.training.value_head import VALUE_HEAD_FILE, load_reward_model, score
 
     reward = make_reward_output(tmp_path / "rm", seed=3)
     out = tmp_path / "rm_merged"
@@ -197,7 +197,7 @@ def test_an_adapter_trained_on_resized_embeddings_merges(tmp_path):
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from stages.args import ModelArguments
+    from stages.run_args import ModelArguments
     from stages.inference.loading import InferenceSpec, load_hf_model, load_tokenizer_and_template
     from stages.loading import resolve_model_path
 

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from registries.datasets.args import DataArguments
+from registries.datasets.data_args import DataArguments
 from registries.tokenize import preprocess_pairwise
-from stages.args import ModelArguments
+from stages.run_args import ModelArguments
 from stages.inference.chat_model import ChatInputError
 from stages.inference.loading import InferenceSpec
 from stages.inference.scoring import RewardScorer, is_reward_output
@@ -41,7 +41,7 @@ def rm_stage_scores(reward, system: str | None):
     """What stage rm computes: the registries' pairwise tokenizer on the training tokenizer and
     template, then value_head.score_pairs."""
     from stages.loading import load_tokenizer_and_template
-    from stages.value_head import load_reward_model, score_pairs
+    from stages.training.value_head import load_reward_model, score_pairs
 
     data_args = DataArguments(template=TEMPLATE, cutoff_len=CUTOFF)
     tokenizer, template = load_tokenizer_and_template(ModelArguments(model_name_or_path=BASE), data_args)

@@ -13,7 +13,7 @@ from dataclasses import replace
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
 
-from registries.datasets.args import DataArguments
+from registries.datasets.data_args import DataArguments
 from registries.templates import get_template
 
 BOS, EOS, IM_START, IM_END = 256, 257, 258, 259  # ids before any template adjusts the tokenizer

@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 from transformers import AutoModelForCausalLM
 
-from stages.adapters import AdapterError, _freeze_patterns, find_linear_modules
-from stages.args import FinetuningArguments, ModelArguments
+from stages.training.adapters import AdapterError, _freeze_patterns, find_linear_modules
+from stages.run_args import FinetuningArguments, ModelArguments
 from stages.loading import check_model_fits, load_model, model_skeleton, resolve_model_path
 from registries.models import load_tokenizer
 

@@ -1,4 +1,4 @@
-"""stages.checkpoint_files and stages.hf_checkpoints: a checkpoint counts once its manifest verifies;
+"""stages.training.checkpoints and stages.training.hf_checkpoints: a checkpoint counts once its manifest verifies;
 auto-resume skips the ones that do not (with a warning); save_total_limit counts and deletes only
 committed checkpoints and never the newest one. The last test trains a real HF Trainer (no Ray).
 (The staged commit and the one resolver for every stage: test_checkpoint_protocol.py.)"""
@@ -13,7 +13,7 @@ import pytest
 from transformers import TrainerCallback
 from transformers.trainer_utils import rotate_checkpoints
 
-from stages.checkpoint_files import (
+from stages.training.checkpoints import (
     MANIFEST_NAME,
     checkpoint_folders,
     committed_checkpoints,
@@ -113,7 +113,7 @@ def test_auto_takes_the_newest_committed_checkpoint_and_warns_about_each_newer_o
     unfinished = make_checkpoint(tmp_path, 32, commit=False)
     os.makedirs(tmp_path / ".checkpoint-40.partial")  # an RL staging folder: not a checkpoint-N at all
 
-    with caplog.at_level(logging.INFO, logger="stages.checkpoint_files"):
+    with caplog.at_level(logging.INFO, logger="stages.training.checkpoints"):
         assert latest_committed(str(tmp_path)) == good
 
     warnings = [(r.levelname, r.getMessage()) for r in caplog.records if r.levelno >= logging.WARNING]
@@ -130,7 +130,7 @@ def test_auto_takes_the_newest_committed_checkpoint_and_warns_about_each_newer_o
 def test_auto_with_nothing_committed_starts_fresh(tmp_path, caplog):
     assert latest_committed(str(tmp_path / "not-yet")) is None
     make_checkpoint(tmp_path, 2, commit=False)
-    with caplog.at_level(logging.WARNING, logger="stages.checkpoint_files"):
+    with caplog.at_level(logging.WARNING, logger="stages.training.checkpoints"):
         assert latest_committed(str(tmp_path)) is None
     assert [r.getMessage().split(":")[1].strip() for r in caplog.records] == [f"skipping {tmp_path}/checkpoint-2"]
 
@@ -207,7 +207,7 @@ def test_the_trainer_commits_every_checkpoint_and_rotates_committed_ones(tmp_pat
     from transformers import AutoModelForCausalLM, Trainer
 
     from cluster.config import load_config
-    from stages.hf_checkpoints import CommitCheckpoints
+    from stages.training.hf_checkpoints import CommitCheckpoints
     from stages.loading import resolve_model_path
     from tests.e2e.conftest import tiny_sft_config
 
@@ -226,7 +226,7 @@ def test_the_trainer_commits_every_checkpoint_and_rotates_committed_ones(tmp_pat
     rows = datasets.Dataset.from_dict({"input_ids": [[2, 3, 4, 5, 6, 7]] * 32, "labels": [[2, 3, 4, 5, 6, 7]] * 32})
     trainer = Trainer(model=model, args=args, train_dataset=rows,
                       callbacks=[CommitCheckpoints(spec.training.save_total_limit), probe])
-    with caplog.at_level(logging.WARNING, logger="stages.checkpoint_files"):
+    with caplog.at_level(logging.WARNING, logger="stages.training.checkpoints"):
         trainer.train()
 
     # This run starts at step 0, so the earlier run's checkpoints were uncommitted before any step.

@@ -1,4 +1,4 @@
-"""The one checkpoint protocol of every stage (stages/checkpoint_files.py): a staged commit appears
+"""The one checkpoint protocol of every stage (stages/training/checkpoints.py): a staged commit appears
 whole or not at all, ``save_total_limit`` keeps the newest committed ones, and one resolver serves
 an RL checkpoint and an HF Trainer checkpoint alike; explicit folders that cannot be resumed from
 are refused with a paragraph that names them. Plus the log cut back to a checkpoint's step."""
@@ -11,8 +11,8 @@ import os
 
 import pytest
 
-from stages.callbacks import truncate_log
-from stages.checkpoint_files import (
+from stages.training.callbacks import truncate_log
+from stages.training.checkpoints import (
     MANIFEST_NAME,
     ResumeError,
     checkpoint_path,
@@ -192,7 +192,7 @@ def test_a_checkpoint_from_before_manifests_is_taken_by_name_with_one_warning_bu
     os.makedirs(folder)
     with open(os.path.join(folder, state_file), "w") as f:
         json.dump({"global_step": 6, "max_steps": 9, "total_steps": 9}, f)
-    with caplog.at_level(logging.WARNING, logger="stages.checkpoint_files"):
+    with caplog.at_level(logging.WARNING, logger="stages.training.checkpoints"):
         assert resolve_resume(folder, str(tmp_path)) == folder
         assert resolve_resume(folder, str(tmp_path)) == folder
         assert resolve_resume("auto", str(tmp_path)) is None
@@ -224,7 +224,7 @@ def test_a_run_uncommits_the_checkpoints_beyond_its_start(tmp_path, caplog):
     kept = rl_checkpoint(tmp_path, 2)
     for step in (4, 6):
         trainer_checkpoint(tmp_path, step)
-    with caplog.at_level(logging.WARNING, logger="stages.checkpoint_files"):
+    with caplog.at_level(logging.WARNING, logger="stages.training.checkpoints"):
         replaced = uncommit_after(str(tmp_path), 2)
     assert replaced == [str(tmp_path / "checkpoint-4"), str(tmp_path / "checkpoint-6")]
     assert caplog.messages == [

@@ -1,4 +1,4 @@
-"""Chunked cross-entropy (stages/chunked_loss.py): the model's own loss and gradients, without the
+"""Chunked cross-entropy (stages/training/chunked_loss.py): the model's own loss and gradients, without the
 micro-batch's full logits, and the plain loss wherever chunking would change the result."""
 
 import pytest
@@ -6,10 +6,10 @@ import torch
 from transformers import (Gemma2Config, Gemma2ForCausalLM, LlamaConfig, LlamaForCausalLM, Trainer,
                           TrainingArguments)
 
-from stages.causal_lm import CausalLMTrainer
-from stages.chunked_loss import (chunk_tokens_for, chunked_head_loss, supports_chunked_loss, use_chunked_loss,
+from stages.recipes.causal_lm import CausalLMTrainer
+from stages.training.chunked_loss import (chunk_tokens_for, chunked_head_loss, supports_chunked_loss, use_chunked_loss,
                                  vocab_size_of)
-from stages.collators import PaddingCollator, PaddingFreeCollator
+from stages.training.collators import PaddingCollator, PaddingFreeCollator
 
 M = -100
 VOCAB = 300

@@ -4,7 +4,7 @@ import torch
 from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
-from stages.collators import (
+from stages.training.collators import (
     KTOCollator,
     NeatPackingCollator,
     PaddingCollator,

@@ -11,7 +11,7 @@ from transformers import AutoModelForCausalLM, GPT2Config, GPT2LMHeadModel
 
 from stages.job import _every_trainable_weight_in_the_loss
 from stages.loading import resolve_model_path
-from stages.value_head import ValueHeadModel
+from stages.training.value_head import ValueHeadModel
 
 
 @pytest.fixture

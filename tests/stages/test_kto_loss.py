@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from stages.kto import kto_loss
+from stages.recipes.kto import kto_loss
 
 POLICY = [-3.0, -5.5, -2.0, -7.25, -4.0]
 REFERENCE = [-4.0, -5.0, -2.5, -6.0, -4.5]

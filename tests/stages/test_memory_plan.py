@@ -1,4 +1,4 @@
-"""The memory planner (stages/memory_plan.py): gradient checkpointing on exactly when the estimate
+"""The memory planner (stages/training/memory_plan.py): gradient checkpointing on exactly when the estimate
 needs it, estimates that match real models, and the user's own setting always winning."""
 
 import dataclasses
@@ -7,11 +7,11 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
-from registries.datasets.args import DataArguments
-from stages.adapters import apply_finetuning, count_parameters
-from stages.args import FinetuningArguments, ModelArguments, TrainingOptions
+from registries.datasets.data_args import DataArguments
+from stages.training.adapters import apply_finetuning, count_parameters
+from stages.run_args import FinetuningArguments, ModelArguments, TrainingOptions
 from stages.job import JobSpec, StageJob
-from stages.memory_plan import (GIB, HEADROOM, MemoryBudget, ModelShape, TrainingShape, plan_memory,
+from stages.training.memory_plan import (GIB, HEADROOM, MemoryBudget, ModelShape, TrainingShape, plan_memory,
                                 trainable_parameters, training_shape)
 
 LLAMA_7B = ModelShape(hidden_size=4096, num_layers=32, num_heads=32, num_kv_heads=32, head_dim=128,

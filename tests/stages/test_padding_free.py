@@ -1,5 +1,5 @@
 """Padding-free pt/sft batches: the layout, the gradient (equal to the padded batch's), when each
-stage gets them, and sdpa attending one row per example (stages/example_attention.py)."""
+stage gets them, and sdpa attending one row per example (stages/training/per_example_attention.py)."""
 
 import pytest
 import torch
@@ -8,10 +8,10 @@ from transformers import (Gemma2Config, Gemma2ForCausalLM, Gemma3ForCausalLM, Ge
                           LlamaForCausalLM, MistralConfig, MistralForCausalLM, Phi3Config, Phi3ForCausalLM,
                           PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM)
 
-from registries.datasets.args import DataArguments
-from stages import example_attention
-from stages.collators import PaddingCollator, PaddingFreeCollator, supports_padding_free
-from stages.example_attention import (PER_EXAMPLE_SDPA, ExamplePlan, per_example_sdpa, supports_per_example_sdpa,
+from registries.datasets.data_args import DataArguments
+from stages.training import per_example_attention
+from stages.training.collators import PaddingCollator, PaddingFreeCollator, supports_padding_free
+from stages.training.per_example_attention import (PER_EXAMPLE_SDPA, ExamplePlan, per_example_sdpa, supports_per_example_sdpa,
                                       use_attention)
 from stages.table import STAGES
 
@@ -93,7 +93,7 @@ def per_example(short: int) -> dict:
 def test_padding_free_gradient_equals_the_padded_batch(family, attn, layout, monkeypatch):
     layout = dict(layout)
     if "short" in layout:
-        monkeypatch.setattr(example_attention, "SHORT_EXAMPLE", layout.pop("short"))
+        monkeypatch.setattr(per_example_attention, "SHORT_EXAMPLE", layout.pop("short"))
     checkpointing = layout.pop("checkpointing", False)
     generator = torch.Generator().manual_seed(1)
     features = []
@@ -211,8 +211,8 @@ def test_per_example_attention_refuses_a_padding_mask_and_runs_under_inference_m
 def test_a_stage_job_trains_one_row_batches_per_example_and_saves_a_plain_sdpa_config(tmp_path):
     import datasets
 
-    from stages.args import FinetuningArguments, ModelArguments, TrainingOptions
-    from stages.causal_lm import CausalLMTrainer
+    from stages.run_args import FinetuningArguments, ModelArguments, TrainingOptions
+    from stages.recipes.causal_lm import CausalLMTrainer
     from stages.job import JobSpec, StageJob
 
     model, tok = tiny_model("llama", "sdpa"), tokenizer()
@@ -246,7 +246,7 @@ def test_a_stage_job_trains_one_row_batches_per_example_and_saves_a_plain_sdpa_c
 
 
 def test_the_plan_gathers_short_examples_into_padded_slots_and_puts_every_token_back_in_row_order(monkeypatch):
-    monkeypatch.setattr(example_attention, "SHORT_EXAMPLE", 4)
+    monkeypatch.setattr(per_example_attention, "SHORT_EXAMPLE", 4)
     # a long example (7 tokens), then two short ones (2 and 3): the short ones go first in the call order
     plan = ExamplePlan.build([0, 7, 9, 12], "cpu")
     assert plan.long_spans == [(0, 7)] and plan.short_shape == (2, 3)
@@ -259,7 +259,7 @@ def test_the_plan_gathers_short_examples_into_padded_slots_and_puts_every_token_
 
 
 def test_a_plan_is_made_once_per_forward_and_anew_for_other_position_ids(monkeypatch):
-    monkeypatch.setattr(example_attention, "SHORT_EXAMPLE", 0)  # every example alone: the spans show the plan
+    monkeypatch.setattr(per_example_attention, "SHORT_EXAMPLE", 0)  # every example alone: the spans show the plan
     first = torch.tensor([[0, 1, 2, 0, 1]])
     plan = ExamplePlan.of(first)
     assert ExamplePlan.of(first) is plan  # the next layer of the same forward

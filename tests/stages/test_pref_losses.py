@@ -16,13 +16,13 @@ import pytest
 import torch
 
 from registries.tokenize import IGNORE_INDEX
-from stages.args import FinetuningArguments, ModelArguments
-from stages.dpo import preference_loss
-from stages.preference import (
+from stages.run_args import FinetuningArguments, ModelArguments
+from stages.recipes.dpo import preference_loss
+from stages.recipes.preference import (
     Reference, adapter_preference_report, build_reference, pairwise_logps, preference_accuracy, sequence_logps,
 )
-from stages.rm import pairwise_reward_loss
-from stages.value_head import ValueHeadModel, last_token_index
+from stages.recipes.rm import pairwise_reward_loss
+from stages.training.value_head import ValueHeadModel, last_token_index
 
 os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
 
@@ -171,7 +171,7 @@ def test_sequence_logps_sums_shifted_labelled_tokens_only():
 
 @pytest.fixture(scope="module")
 def tiny():
-    from registries.datasets.args import DataArguments
+    from registries.datasets.data_args import DataArguments
     from stages.loading import load_tokenizer_and_template
 
     model_args = ModelArguments(model_name_or_path="tiny:qwen2")
@@ -292,7 +292,7 @@ def test_value_head_scores_the_last_real_token_whatever_the_padding(tiny):
 
 
 def test_full_reward_model_saves_weights_and_value_head_and_reloads_identically(tiny, tmp_path):
-    from stages.value_head import VALUE_HEAD_FILE, load_reward_model, score
+    from stages.training.value_head import VALUE_HEAD_FILE, load_reward_model, score
 
     model_args, tokenizer = tiny
     torch.manual_seed(0)

@@ -11,7 +11,7 @@ import pytest
 import torch
 from torch import nn
 
-from stages.checkpoint_files import ResumeError
+from stages.training.checkpoints import ResumeError
 from stages.rl.checkpoint import load_role_state, save_role_state
 
 
@@ -113,7 +113,7 @@ def test_a_lora_value_head_model_saves_only_what_it_trains(tmp_path):
     from peft import LoraConfig, get_peft_model
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from stages.value_head import ValueHeadModel
+    from stages.training.value_head import ValueHeadModel
 
     torch.manual_seed(0)
     config = LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,

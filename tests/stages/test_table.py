@@ -6,7 +6,7 @@ import pytest
 
 from registries.datasets.stage_fields import DATASET_NEEDS
 from registries.tokenize import KINDS
-from stages.args import FinetuningArguments
+from stages.run_args import FinetuningArguments
 from stages.table import STAGES, StageSpec, UnknownStageError, get_stage, register_stage
 
 
@@ -23,7 +23,7 @@ def test_every_stage_resolves_its_recipe_collator_and_checks():
 
 
 def test_rl_entries_say_roles_updates_and_where_the_kl_goes():
-    from stages.rl.args import RLArguments
+    from stages.rl.rl_args import RLArguments
 
     grpo, ppo = STAGES["grpo"].rl, STAGES["ppo"].rl
     rl = RLArguments(num_iterations=3, ppo_epochs=2, ppo_buffer_size=4)
@@ -67,7 +67,7 @@ def test_reference_model_need_comes_from_the_table(stage, pref_loss, expected):
 
 
 def test_packing_default_is_the_stages():
-    from registries.datasets.args import DataArguments
+    from registries.datasets.data_args import DataArguments
     from registries.tokenize import preprocess_packed_supervised, preprocess_pretrain, preprocess_supervised
 
     args = DataArguments(dataset="x")

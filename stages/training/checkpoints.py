@@ -13,7 +13,7 @@ more than it is worth here.
 Two writers, one ``commit_checkpoint``:
 
 - The HF Trainer (stages pt, sft, rm, dpo, kto, on Ray Train workers) writes ``checkpoint-N`` in
-  place; once every rank has written, rank 0 commits it there (stages/hf_checkpoints.py).
+  place; once every rank has written, rank 0 commits it there (stages/training/hf_checkpoints.py).
 - The RL loops (stages grpo, ppo, in the driver: stages/rl/loop.py) have the roles write into a
   hidden ``staging_folder``; committing it writes the manifest there and renames the folder to
   ``checkpoint-N``, so no half-written ``checkpoint-N`` ever appears.

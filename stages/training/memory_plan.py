@@ -218,7 +218,7 @@ def _with(plan: MemoryPlan, on: bool, reason: str) -> MemoryPlan:
 
 def training_shape(spec, training_args, model: ModelShape) -> TrainingShape:
     """The TrainingShape of a run: its JobSpec (model, data, finetuning) and built trainer arguments."""
-    from .chunked_loss import chunk_tokens_for, use_chunked_loss
+    from stages.training.chunked_loss import chunk_tokens_for, use_chunked_loss
 
     tuning, stage = spec.finetuning, spec.stage
     bf16, fp16 = bool(training_args.bf16), bool(training_args.fp16)

@@ -19,7 +19,7 @@ that request is for a cluster's autoscaler, and a local Ray the driver started h
 policy makes no request (``LocalScalingPolicy``).
 
 And on a local Ray the driver started, the controller itself is no actor (unless Ray's Train
-state tracking is on): it runs in the driver (fabric/driver_controller.py says why).
+state tracking is on): it runs in the driver (fabric/controller_in_driver.py says why).
 
 ``fit(while_starting=...)`` runs the driver's own work (tokenizing: fabric/launcher.py) after the
 controller has been created, so it overlaps the worker group's start instead of preceding it.
@@ -39,7 +39,7 @@ from ray.train.v2._internal.constants import DEFAULT_RAY_WARN_BLOCKING_GET_INSID
 from ray.train.v2._internal.execution.controller import TrainController
 from ray.train.v2._internal.execution.scaling_policy.fixed import FixedScalingPolicy
 
-from .driver_controller import controller_can_run_here, run_controller_in_driver
+from fabric.controller_in_driver import controller_can_run_here, run_controller_in_driver
 from .ray_session import started_local_ray
 
 
@@ -58,7 +58,7 @@ class LeanTrainer(DataParallelTrainer):
     def _initialize_and_run_controller(self, **controller_init_kwargs):
         if started_local_ray() and type(controller_init_kwargs["scaling_policy"]) is FixedScalingPolicy:
             controller_init_kwargs["scaling_policy"] = LocalScalingPolicy(self.scaling_config)
-        if controller_can_run_here():  # the controller in this process: fabric/driver_controller.py says why
+        if controller_can_run_here():  # the controller in this process: fabric/controller_in_driver.py says why
             return run_controller_in_driver(self._while_starting, **controller_init_kwargs)
         # Ray's own (ray/train/v2/api/data_parallel_trainer.py, Ray 2.60), with the hook between
         # starting the controller and waiting for it.

@@ -22,8 +22,8 @@ import torch
 
 from registries.tokenize import IGNORE_INDEX
 
-from .chunked_loss import language_model
-from .example_attention import PER_EXAMPLE_SDPA, attention_implementation, supports_per_example_sdpa
+from stages.training.chunked_loss import language_model
+from stages.training.per_example_attention import PER_EXAMPLE_SDPA, attention_implementation, supports_per_example_sdpa
 
 
 def to_columns(features) -> dict[str, list[Any]]:
@@ -183,7 +183,7 @@ class PaddingFreeCollator(PaddingCollator):
     padding while dropping most pads (an 8.4M Llama on 2 CPU cores, benchmarks/batch_layouts.py:
     450 ms a step padded, 350 ms in rows, 429 ms in one row).
     Where attention runs each example on its own (flash kernels, or sdpa per example:
-    stages/example_attention.py), ``one_row`` lays the whole batch in a single row, with no pads.
+    stages/training/per_example_attention.py), ``one_row`` lays the whole batch in a single row, with no pads.
     """
 
     row_width: int | None = None
@@ -277,7 +277,7 @@ def causal_lm_collator(tokenizer, data_args, model, pad_to_multiple_of: int | No
     """pt/sft batches: padding-free when ``padding_free`` allows it (null: whenever the model
     supports it and rows are not packed already: packed rows are full, and one row of them all
     would only make attention dearer), else padded on the right. On sdpa a padding-free batch is
-    one row that attention takes one example at a time (stages/example_attention.py)."""
+    one row that attention takes one example at a time (stages/training/per_example_attention.py)."""
     wanted = getattr(data_args, "padding_free", None)
     supported = model is not None and supports_padding_free(model)
     if wanted and not supported:

@@ -6,8 +6,8 @@ from __future__ import annotations
 
 from transformers import Trainer
 
-from .chunked_loss import ChunkedLossMixin
-from .job import StageJob
+from stages.training.chunked_loss import ChunkedLossMixin
+from stages.job import StageJob
 
 
 class CausalLMTrainer(ChunkedLossMixin, Trainer):

@@ -10,7 +10,7 @@ folder to Ray storage, so it must find the manifest there), does both in ``on_sa
 
 1. wait until every rank has written its part of the folder (rank 1 writes its RNG file);
 2. rank 0 commits it and deletes committed checkpoints beyond ``save_total_limit``, never the one
-   just committed nor the best model's (stages/checkpoint_files.py ``commit_checkpoint``, the
+   just committed nor the best model's (stages/training/checkpoints.py ``commit_checkpoint``, the
    commit the RL loops use too);
 3. wait again, so that no rank reads the folder before it is committed.
 
@@ -21,7 +21,7 @@ from __future__ import annotations
 
 from transformers import TrainerCallback
 
-from .checkpoint_files import checkpoint_path, commit_checkpoint, uncommit_after
+from stages.training.checkpoints import checkpoint_path, commit_checkpoint, uncommit_after
 
 
 def wait_for_all_ranks() -> None:

@@ -3,7 +3,7 @@
 On one machine with one CPU worker, a Ray Train worker group does nothing the driver could not
 do itself, and it costs start-up: the worker's process boots (1.6 s on 2 cores), imports torch
 and Transformers a second time (3.0 s; the driver has them already, for the tokenizer), and Ray
-Train starts a synchronization actor and our progress mailbox beside it. On a tiny LoRA run that
+Train starts a synchronization actor and our progress channel beside it. On a tiny LoRA run that
 was 7 of 16 seconds (benchmarks/README.md, "Training in the driver"). Ray Train's local mode
 (``ScalingConfig(num_workers=0)``) runs the same ``train_loop`` in this process, with the same
 ``ray.train`` calls (context, report, checkpoint); Ray Data still tokenizes on Ray first.
@@ -11,7 +11,7 @@ was 7 of 16 seconds (benchmarks/README.md, "Training in the driver"). Ray Train'
 What local mode leaves to us: its ``report`` keeps only the last Checkpoint object, so the
 checkpoint reported is the committed ``output_dir/checkpoint-N`` itself, not a staged copy for
 Ray storage (there is no worker group to restart from one); and progress records go straight
-to the console, with no mailbox in between. Runs that need a worker group keep it
+to the console, with no channel in between. Runs that need a worker group keep it
 (RayArguments.worker_group_reasons); ``train_in_driver: false`` keeps it always.
 """
 
@@ -26,7 +26,7 @@ from ray.train.v2.api.data_parallel_trainer import DataParallelTrainer
 
 from stages.job import JobSpec
 
-from .args import RayArguments
+from fabric.ray_args import RayArguments
 from .progress import RelayCallback
 from .ray_session import started_local_ray
 from .worker import WorkerPayload, train_loop

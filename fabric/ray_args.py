@@ -38,7 +38,7 @@ class RayArguments:
     # process to start, torch imported once) when worker_group_reasons() finds nothing that needs
     # a worker group and the driver runs on a local Ray it started itself; false: always a Ray
     # Train worker group; true: in the driver, refused where a worker group is needed.
-    # fabric/in_driver.py says why.
+    # fabric/train_in_driver.py says why.
     train_in_driver: bool | None = None
     # Logical CPUs for a local ray.init; None lets Ray count them. Declaring more than the
     # machine has lets a streaming Ray Data pipeline run next to CPU-holding train workers.

@@ -7,7 +7,7 @@ import os
 
 from registries.templates.jinja import to_jinja
 
-from .callbacks import read_log
+from stages.training.callbacks import read_log
 
 logger = logging.getLogger(__name__)
 

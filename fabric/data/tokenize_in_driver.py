@@ -18,7 +18,7 @@ from typing import Optional
 
 import ray
 
-from registries.datasets.args import DataArguments
+from registries.datasets.data_args import DataArguments
 from registries.datasets.errors import DataConfigError
 from registries.datasets.loading import load_aligned
 from stages.table import StageSpec

@@ -1,7 +1,7 @@
 """Attention one example at a time, for padding-free rows on sdpa.
 
 A padding-free batch lays its examples end to end with position ids that restart at 0
-(stages/collators.py). Flash kernels then attend each example on its own. With sdpa,
+(stages/training/collators.py). Flash kernels then attend each example on its own. With sdpa,
 transformers builds a block-diagonal causal mask over the row instead, and the kernel computes
 every query against every key of the row and throws most of it away: a row costs its length
 squared. So sdpa batches went in rows as wide as their longest example, and those still hold pad
@@ -34,7 +34,7 @@ from functools import lru_cache, partial
 import torch
 import torch.nn.functional as F
 
-from .chunked_loss import language_model
+from stages.training.chunked_loss import language_model
 
 PER_EXAMPLE_SDPA = "sdpa_per_example"
 SHORT_EXAMPLE = 64  # tokens; shorter examples share one padded call (measured: 64 and 128 alike, 0 and all slower)

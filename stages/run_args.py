@@ -94,7 +94,7 @@ class FinetuningArguments:
     reward_model_type: Literal["lora", "full", "api"] = "lora"
     plot_loss: bool = False
     # RayFactory's own, pt/sft: the cross-entropy in chunks of tokens, each chunk's logits recomputed in
-    # the backward instead of kept (stages/chunked_loss.py). null: on from a 32768-token vocabulary.
+    # the backward instead of kept (stages/training/chunked_loss.py). null: on from a 32768-token vocabulary.
     chunked_loss: bool | None = None
     chunked_loss_tokens: int | None = None  # tokens per chunk; null: ~256 MiB of fp32 logits per chunk
 

@@ -20,16 +20,16 @@ import random
 
 import torch
 
-from .rl.algorithms import compute_advantages, kl_penalty, loss_normalizer
-from .rl.loop import (RunProgress, count_steps, greedy_samples, reward_columns, rollout, rollout_logprob_gap,
+from stages.rl.algorithms import compute_advantages, kl_penalty, loss_normalizer
+from stages.rl.loop import (RunProgress, count_steps, greedy_samples, reward_columns, rollout, rollout_logprob_gap,
                       sampling_spec, split_evenly)
-from .rl.ppo_math import RunningMoments, gae, kl_controller, normalize_scores, token_rewards
-from .rl.rewards import load_reward_funcs
-from .rl.roles import PPORoles, PromptRow, RLRun
-from .rl.steplog import PhaseTimer
-from .rl.trainable import completion_mask, pad_rows
-from .engines.types import SamplingSpec
-from .rl.types import RolloutSample
+from stages.rl.ppo_math import RunningMoments, gae, kl_controller, normalize_scores, token_rewards
+from stages.rl.rewards import load_reward_funcs
+from stages.rl.roles import PPORoles, PromptRow, RLRun
+from stages.rl.steplog import PhaseTimer
+from stages.rl.trainable import completion_mask, pad_rows
+from stages.engines.types import SamplingSpec
+from stages.rl.types import RolloutSample
 
 logger = logging.getLogger(__name__)
 

@@ -20,7 +20,7 @@ import ray
 
 
 @ray.remote(num_cpus=0)
-class Mailbox:
+class WorkerChannel:
     def __init__(self):
         self._records: list[dict] = []
         self._delivered = asyncio.Event()

@@ -1,7 +1,7 @@
 """What the preference stages (dpo and its variants, kto) share: log-probs of the labelled tokens
 of whole sequences, the frozen reference policy, and held-out preference accuracy.
 
-Public API (stable; stages/kto.py imports it):
+Public API (stable; stages/recipes/kto.py imports it):
 
 * ``sequence_logps(logits, labels) -> (logps, lengths)``: per row, the summed log-prob of the
   labelled tokens (labels != IGNORE_INDEX, shifted by one as in causal LM training) and how many
@@ -48,7 +48,7 @@ import torch
 
 from registries.tokenize import IGNORE_INDEX
 
-from .collators import PairwiseCollator
+from stages.training.collators import PairwiseCollator
 
 logger = logging.getLogger(__name__)
 
@@ -153,7 +153,7 @@ def build_reference(policy, model_args, finetuning_args, tokenizer, training_arg
             raise RuntimeError("A LoRA policy without disable_adapter(); expected a peft PeftModel.")
         return Reference("adapter_disabled")
 
-    from .loading import load_model
+    from stages.loading import load_model
 
     adapters = finetuning_args.ref_model_adapters if finetuning_args.ref_model else None
     ref_model_args = dataclasses.replace(
@@ -282,9 +282,9 @@ def judge_adapter(
 
     from registries.datasets import DataArguments
 
-    from .args import ModelArguments
-    from .loading import load_tokenizer_and_template
-    from .table import STAGES
+    from stages.run_args import ModelArguments
+    from stages.loading import load_tokenizer_and_template
+    from stages.table import STAGES
 
     # template None: detected from the chat template the run saved with its output.
     tokenizer, template = load_tokenizer_and_template(ModelArguments(model_name_or_path=output_dir), DataArguments())

@@ -15,14 +15,14 @@ import logging
 
 import torch
 
-from .rl.algorithms import compute_advantages, loss_normalizer, uniform_groups
-from .rl.loop import (RunProgress, count_steps, greedy_samples, reward_columns, rollout, rollout_logprob_gap,
+from stages.rl.algorithms import compute_advantages, loss_normalizer, uniform_groups
+from stages.rl.loop import (RunProgress, count_steps, greedy_samples, reward_columns, rollout, rollout_logprob_gap,
                       sampling_spec)
-from .rl.rewards import RewardSet, load_reward_funcs
-from .rl.roles import RLRun
-from .rl.steplog import PhaseTimer
-from .engines.types import SamplingSpec
-from .rl.types import RolloutSample
+from stages.rl.rewards import RewardSet, load_reward_funcs
+from stages.rl.roles import RLRun
+from stages.rl.steplog import PhaseTimer
+from stages.engines.types import SamplingSpec
+from stages.rl.types import RolloutSample
 
 logger = logging.getLogger(__name__)
 

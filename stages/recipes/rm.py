@@ -4,7 +4,7 @@ Loss: -log sigmoid(r_chosen - r_rejected) (Bradley-Terry), r = the head's value 
 token. Logged: rewards/chosen, rewards/rejected, rewards/accuracies, rewards/margins while
 training; eval_loss and eval_accuracy (plus eval_rewards/*) on evaluation. The output folder is
 the causal LM as usual (LoRA adapter or full model) plus value_head.safetensors:
-``stages.value_head.load_reward_model(output_dir)`` loads it for PPO or a server.
+``stages.training.value_head.load_reward_model(output_dir)`` loads it for PPO or a server.
 """
 
 from __future__ import annotations
@@ -16,9 +16,9 @@ import torch.nn.functional as F
 from transformers import Trainer
 from transformers.trainer import TRAINING_ARGS_NAME
 
-from .job import StageJob
-from .preference import BatchMetricsMixin
-from .value_head import ValueHeadModel, is_adapter_folder
+from stages.job import StageJob
+from stages.recipes.preference import BatchMetricsMixin
+from stages.training.value_head import ValueHeadModel, is_adapter_folder
 
 
 def pairwise_reward_loss(chosen: torch.Tensor, rejected: torch.Tensor) -> torch.Tensor:

@@ -19,8 +19,8 @@ from typing import Callable, Optional
 import torch
 from transformers import Trainer
 
-from .job import StageJob
-from .preference import BatchMetricsMixin, Reference, disable_dropout, forward_logps
+from stages.job import StageJob
+from stages.recipes.preference import BatchMetricsMixin, Reference, disable_dropout, forward_logps
 
 
 @dataclass

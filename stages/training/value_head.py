@@ -107,10 +107,10 @@ def load_reward_model(output_dir: str, base_model: str | None = None, template: 
     A LoRA reward model loads its base from ``base_model`` or, by default, the path its
     adapter_config.json records; ``template`` defaults to the chat template saved with it.
     """
-    from registries.datasets.args import DataArguments
+    from registries.datasets.data_args import DataArguments
 
-    from .args import FinetuningArguments, ModelArguments
-    from .loading import load_model, load_tokenizer_and_template
+    from stages.run_args import FinetuningArguments, ModelArguments
+    from stages.loading import load_model, load_tokenizer_and_template
 
     output_dir = os.path.abspath(output_dir)
     if not os.path.isfile(os.path.join(output_dir, VALUE_HEAD_FILE)):
@@ -148,7 +148,7 @@ def score(model: ValueHeadModel, input_ids, attention_mask=None) -> torch.Tensor
 
 def score_pairs(model: ValueHeadModel, pairs, pad_token_id: int, batch_size: int = 32):
     """(chosen, rejected) rewards of tokenized pairs (rows with chosen_*/rejected_* columns)."""
-    from .collators import PairwiseCollator
+    from stages.training.collators import PairwiseCollator
 
     collator = PairwiseCollator(pad_token_id=pad_token_id)
     rows = [pairs[i] for i in range(len(pairs))]

@@ -21,8 +21,8 @@ import torch
 import torch.nn.functional as F
 from transformers import Trainer
 
-from .job import StageJob
-from .preference import BatchMetricsMixin, Reference, disable_dropout, forward_logps
+from stages.job import StageJob
+from stages.recipes.preference import BatchMetricsMixin, Reference, disable_dropout, forward_logps
 
 LENGTH_NORMALIZED = ("ipo", "orpo", "simpo")  # these compare average, not summed, log-probs
 
