@@ -5,10 +5,15 @@ is written in shards of at most ``export_size`` GB (safetensors, or ``.bin`` wit
 ``export_legacy_format``), next to the tokenizer with the training chat template and stop words,
 and a ``generation_config.json`` that stops on the template's stop tokens. A reward model keeps
 its value head. The folder loads in plain transformers and vLLM, with no RayFactory code.
+
+Two more forms, beside that folder: ``export_format: gguf`` adds one GGUF file (llama.cpp,
+Ollama) and an Ollama Modelfile (gguf_export.py); ``export_quantization_bit: 8 | 4`` saves the
+folder's linear layers bitsandbytes-quantized (quantized_export.py).
 """
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import shutil
@@ -18,8 +23,11 @@ from registries.errors import UserError
 from registries.templates.jinja import to_jinja
 
 from stages.training.value_head import VALUE_HEAD_FILE
-from stages.inference.inference_args import ExportArguments
+
+from .gguf_export import check_gguf_export, write_gguf_export
+from .inference_args import ExportArguments
 from .loading import InferenceSpec, load_hf_model, load_tokenizer_and_template
+from .quantized_export import quantize_export
 
 # Written last into every export: marks a folder a later export may replace.
 EXPORT_NOTE = "rayfactory_export.json"
@@ -35,6 +43,8 @@ def export_model(spec: InferenceSpec, export: ExportArguments, log=print) -> lis
     check_export_request(spec, export)
     out = export.export_dir
     tokenizer, template = load_tokenizer_and_template(spec)
+    if export.export_format == "gguf":  # refused before anything is written
+        check_gguf_export(spec, tokenizer)
     if spec.model.quantization_bit:
         # The base on disk holds full weights (bitsandbytes quantizes at load time), so the merge
         # runs on those: merging into 4/8-bit weights would round the adapter away.
@@ -63,10 +73,14 @@ def export_model(spec: InferenceSpec, export: ExportArguments, log=print) -> lis
     head = os.path.join(spec.output_folder, VALUE_HEAD_FILE)
     if os.path.isfile(head):  # a reward model: stages.training.value_head.load_reward_model(export_dir) works
         shutil.copyfile(head, os.path.join(out, VALUE_HEAD_FILE))
-    with open(os.path.join(out, EXPORT_NOTE), "w", encoding="utf-8") as f:
-        json.dump({"base_model": spec.model.model_name_or_path, "adapters": spec.adapters, "template": template.name,
-                   "dtype": str(model.dtype).removeprefix("torch."),
-                   "dequantized_from_bits": spec.model.quantization_bit}, f, indent=2)
+    note = {"base_model": spec.model.model_name_or_path, "adapters": spec.adapters, "template": template.name,
+            "dtype": str(model.dtype).removeprefix("torch."), "dequantized_from_bits": spec.model.quantization_bit}
+    if export.export_format == "gguf":
+        note["gguf"] = write_gguf_export(out, model, tokenizer, template, spec.generating, export.export_gguf_type, log)
+    if export.export_quantization_bit:
+        note["quantization"] = quantize_export(out, export.export_quantization_bit, export.export_size * GB)
+    with open(os.path.join(out, EXPORT_NOTE), "w", encoding="utf-8") as f:  # last: the export is whole
+        json.dump(note, f, indent=2)
     return sorted(os.listdir(out))
 
 
@@ -78,11 +92,17 @@ def check_export_request(spec: InferenceSpec, export: ExportArguments) -> None:
             "Remove export_hub_model_id, export to export_dir, then upload that folder with "
             f"`huggingface-cli upload {export.export_hub_model_id} <export_dir>`."
         )
-    if export.export_quantization_bit:
+    for needed, package, extra in ((export.export_format == "gguf", "gguf", "gguf"),
+                                   (bool(export.export_quantization_bit), "bitsandbytes", "qlora")):
+        if needed and importlib.util.find_spec(package) is None:
+            raise ExportError(
+                f"{'export_format: gguf' if package == 'gguf' else 'export_quantization_bit'} needs the {package} "
+                f"package, which is not installed. Install it with `pip install -e .[{extra}]` in the checkout."
+            )
+    if export.export_format == "gguf" and os.path.isfile(os.path.join(spec.output_folder, VALUE_HEAD_FILE)):
         raise ExportError(
-            f"export_quantization_bit {export.export_quantization_bit}: GPTQ export is not built. Remove "
-            "export_quantization_bit to write the full-precision merged model, then quantize that folder with a "
-            "tool such as GPTQModel or llm-compressor (or serve it with vLLM's own quantization option)."
+            "export_format: gguf writes causal language models; this output is a reward model, whose value head "
+            "a GGUF file cannot carry. Export it with export_format: safetensors."
         )
     if not export.export_dir:
         raise ExportError("export_dir is missing: set the folder to write the merged model into, e.g. "

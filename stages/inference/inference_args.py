@@ -56,8 +56,33 @@ class ExportArguments:
     export_device: Literal["cpu", "auto"] = "cpu"  # where the merge runs ("auto": a GPU when there is one)
     export_legacy_format: bool = False  # false: safetensors; true: pytorch_model*.bin
     export_hub_model_id: Optional[str] = None  # pushing to the hub is not built: refused with a note
-    export_quantization_bit: Optional[int] = None  # GPTQ export is not built: refused with a note
+    # 8 or 4: the merged model saved with bitsandbytes-quantized linear layers (int8 / nf4), which
+    # transformers loads back as it is. LLaMA-Factory's meaning is GPTQ, which needs a GPU.
+    export_quantization_bit: Optional[int] = None
+    # gguf: also one GGUF file for llama.cpp / Ollama (tokenizer and chat template inside) and an
+    # Ollama Modelfile, next to the merged model (stages/inference/gguf_export.py).
+    export_format: Literal["safetensors", "gguf"] = "safetensors"
+    export_gguf_type: Literal["f32", "f16", "bf16", "q8_0"] = "f16"
 
     def __post_init__(self) -> None:
         if self.export_size <= 0:
             raise ArgumentError("export_size", f"export_size is the largest shard in GB: positive, got {self.export_size}.")
+        if self.export_quantization_bit not in (None, 4, 8):
+            raise ArgumentError(
+                "export_quantization_bit",
+                f"export_quantization_bit is 8 or 4 (bitsandbytes int8 / nf4 weights), got {self.export_quantization_bit}. "
+                "Other widths (GPTQ's 2 and 3 bits) need a GPTQ tool on a GPU: export full precision, then quantize "
+                "that folder with GPTQModel or llm-compressor.",
+            )
+        if self.export_quantization_bit and self.export_format == "gguf":
+            raise ArgumentError(
+                "export_quantization_bit",
+                "export_quantization_bit quantizes with bitsandbytes, which a GGUF file cannot hold. For a quantized "
+                "GGUF set export_gguf_type: q8_0 and remove export_quantization_bit.",
+            )
+        if self.export_quantization_bit and self.export_legacy_format:
+            raise ArgumentError(
+                "export_legacy_format",
+                "bitsandbytes-quantized weights are saved as safetensors only: remove export_legacy_format or "
+                "export_quantization_bit.",
+            )

@@ -181,14 +181,15 @@ def test_export_refuses_to_write_into_the_adapter_or_a_foreign_folder(tmp_path, 
     assert os.listdir(foreign) == ["todo.txt"]
 
 
-def test_export_refuses_hub_and_gptq_with_the_alternative(tmp_path, adapter, capsys):
+def test_export_refuses_hub_and_gptq_widths_with_the_alternative(tmp_path, adapter, capsys):
     assert export(tmp_path, "hub", adapter_name_or_path=adapter, export_dir=str(tmp_path / "o"),
                   export_hub_model_id="me/model") == 2
     assert "not built" in capsys.readouterr().err
     assert export(tmp_path, "gptq", adapter_name_or_path=adapter, export_dir=str(tmp_path / "o"),
-                  export_quantization_bit=4) == 2
+                  export_quantization_bit=3) == 2
     err = capsys.readouterr().err
-    assert "not built" in err and "Remove export_quantization_bit" in err
+    assert "export_quantization_bit is 8 or 4" in err and "GPTQModel" in err
+    assert not os.path.exists(tmp_path / "o")
 
 
 def test_an_adapter_trained_on_resized_embeddings_merges(tmp_path):
