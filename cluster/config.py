@@ -68,7 +68,7 @@ GROUPS: dict[str, type] = {
 }
 # What a config is read for: a training run needs output_dir and trainer checks; chat, serve and
 # export read the same keys (a training YAML works) but need no output_dir.
-PURPOSES = ("train", "infer")
+PURPOSES = ("train", "infer", "submit")
 
 
 @dataclass(frozen=True)
@@ -130,7 +130,9 @@ class RunConfig:
 def load_config(path_or_dict: str | os.PathLike | dict | None = None, overrides: list[str] | None = None,
                 purpose: str = "train") -> RunConfig:
     """Read, route, type-check and validate a config; ``overrides`` are ``key=value`` strings.
-    ``purpose`` "infer" (chat, serve, export) skips what only a training run needs."""
+    ``purpose`` "infer" (chat, serve, export) skips what only a training run needs; "submit" checks a
+    training run on another machine than the one that runs it (``rayfactory submit``): every rule
+    but those about this machine (files the config names, installed packages, reward modules)."""
     if purpose not in PURPOSES:
         raise ValueError(f"purpose must be one of {PURPOSES}, got {purpose!r}")
     values, origin, source = _read_source(path_or_dict)
@@ -143,7 +145,7 @@ def load_config(path_or_dict: str | os.PathLike | dict | None = None, overrides:
     grouped = _route(values, origin)
     given = {key: value for group in grouped.values() for key, value in group.items()}  # typed
     built = {group: _build(group, grouped[group], origin, source) for group in ("model", "data", "finetuning")}
-    rl_stage = built["finetuning"].spec.rl if purpose == "train" else None
+    rl_stage = built["finetuning"].spec.rl if purpose != "infer" else None
     if rl_stage is not None:  # the stage's own defaults for the keys the config leaves out
         _defaults(grouped["generating"], dict(rl_stage.sampling_defaults), given)
     built["generating"] = _build("generating", grouped["generating"], origin, source)
@@ -333,9 +335,10 @@ def _build(group: str, kwargs: dict[str, Any], origin: dict[str, str], source: s
 def _check_and_resolve(run: RunConfig, where: typing.Callable[[str], str], purpose: str = "train") -> None:
     model, tuning, data, training = run.model, run.finetuning, run.data, run.training.values
     stage = tuning.spec  # FinetuningArguments refused a name the stage table lacks
-    is_rl = stage.launch == "rl_controller" and purpose == "train"
+    is_rl = stage.launch == "rl_controller" and purpose != "infer"
+    local = purpose != "submit"  # the job's machine is this one: its files and packages can be checked
     if is_rl:
-        check_rl(run, where)
+        check_rl(run, where, local)
     if not model.model_name_or_path:
         raise ConfigError(
             f"model_name_or_path is missing in {where('model_name_or_path')}. Set it to a model folder "
@@ -349,7 +352,7 @@ def _check_and_resolve(run: RunConfig, where: typing.Callable[[str], str], purpo
         )
     check_template(data.template)
     resolve_paths(run)  # workers and Serve replicas do not run in this directory
-    if purpose != "train":
+    if purpose == "infer":
         check_extras({"quantization_bit": model.quantization_bit}, where)
         return
     check_planned_work(run, where)
@@ -368,7 +371,8 @@ def _check_and_resolve(run: RunConfig, where: typing.Callable[[str], str], purpo
             f"eval_strategy is {strategy!r} in {where('eval_strategy')} but there is nothing to evaluate on. "
             "Set val_size (a fraction of the training data) or eval_dataset, or set eval_strategy: no."
         )
-    read_deepspeed_config(training, model, tuning, where)
+    if local:
+        read_deepspeed_config(training, model, tuning, where)
     if run.ray.train_in_driver:
         needs = run.ray.worker_group_reasons(streaming=data.streaming, deepspeed=bool(training.get("deepspeed")), rl=is_rl)
         if needs:
@@ -380,17 +384,18 @@ def _check_and_resolve(run: RunConfig, where: typing.Callable[[str], str], purpo
     resume = training.get("resume_from_checkpoint")
     # "auto" (the latest complete checkpoint in output_dir) stays as it is: it is resolved at launch,
     # since output_dir may only get its checkpoints after this config was read (a rerun of a died run).
-    if isinstance(resume, str) and resume != "auto":
+    if isinstance(resume, str) and resume != "auto" and local:
         if not os.path.isdir(resume):
             raise ConfigError(
                 f"resume_from_checkpoint {resume!r} in {where('resume_from_checkpoint')} does not exist "
                 f"(looked for {os.path.abspath(resume)}). Point it at a checkpoint folder, or remove it."
             )
         training["resume_from_checkpoint"] = os.path.abspath(resume)
-        check_trainer_checkpoint(training["resume_from_checkpoint"], where)  # any stage's: one protocol
+        check_trainer_checkpoint(training["resume_from_checkpoint"], where, stage.checkpoint_kind)  # one protocol
     training.setdefault("report_to", "none")
-    check_extras({"deepspeed": training.get("deepspeed"), "quantization_bit": model.quantization_bit,
-                  "rollout_backend": is_rl and run.rl.rollout_backend == "vllm"}, where)
+    if local:
+        check_extras({"deepspeed": training.get("deepspeed"), "quantization_bit": model.quantization_bit,
+                      "rollout_backend": is_rl and run.rl.rollout_backend == "vllm"}, where)
     check_training_options(run.training, where)
 
 

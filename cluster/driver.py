@@ -50,7 +50,9 @@ def run_exp(
     finished = finished_run(cfg)
     if finished is not None:  # before anything is written: the outputs stay as they were
         console.say(f"rayfactory: {finished}")
-        return RunResult(os.path.abspath(output_dir), {}, None, {"finished": True})
+        if not do_predict:
+            return RunResult(os.path.abspath(output_dir), {}, None, {"finished": True})
+        do_train = False  # the trained output is there; its predictions are still to be made
 
     # Mistakes that need no cluster fail before Ray starts: model path, tokenizer, datasets.
     # Model facts are resolved once, here: the driver tokenizes (through Ray Data) with this
@@ -78,8 +80,8 @@ def run_exp(
     resources = connect(cfg.ray, extra_cpus=_rl_role_cpus(cfg) + (1 if cfg.data.streaming else 0))
     _check_resources(cfg, resources)
     console.mark("Ray")
-    if not do_train:
-        predicted = _predict(cfg, console, trained=False, template=configured_template)
+    if not do_train:  # prediction alone: the config's model, or the finished run's trained output
+        predicted = _predict(cfg, console, trained=finished is not None, template=configured_template)
         stats = {"eval_examples": predicted.rows, "predict_workers": predicted.workers}
         return RunResult(os.path.abspath(output_dir), predicted.metrics, None, stats)
     # Ray Train's workers start first and import and load while the data is tokenized (not for

@@ -21,6 +21,8 @@ def run_export(args: argparse.Namespace) -> int:
             "export_dir: saves/merged (or add export_dir=saves/merged to the command line)."
         )
     check_local_paths(cfg)
+    for note in cfg.notes:  # LLaMA-Factory keys that mean something else here, or nothing
+        print(f"note: {note}")
     import transformers
 
     transformers.utils.logging.disable_progress_bar()  # the file list below says what was written

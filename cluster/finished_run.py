@@ -34,7 +34,7 @@ def finished_run(cfg) -> Optional[str]:
     output_dir = cfg.training.output_dir
     if not requested or not cfg.training.values.get("do_train", True):  # prediction alone trains nothing anyway
         return None
-    checkpoint = resolve_resume(requested, output_dir)
+    checkpoint = resolve_resume(requested, output_dir, kind=cfg.finetuning.spec.checkpoint_kind)
     progress = checkpoint_progress(checkpoint) if checkpoint else None
     if progress is None:
         return None

@@ -22,6 +22,10 @@ IGNORED_KEYS = {
     "data_shared_file_system": "Ray Data tokenizes once for all nodes",
     "print_param_status": "the trainable-parameter count is always logged",
     "hf_hub_token": "set HF_TOKEN in the environment instead (secrets stay out of saved configs)",
+    # LLaMA-Factory's export_quantization_bit is GPTQ, calibrated on a dataset; ours is bitsandbytes
+    "export_quantization_dataset": "export_quantization_bit saves bitsandbytes weights, which need no calibration data",
+    "export_quantization_nsamples": "export_quantization_bit saves bitsandbytes weights, which need no calibration data",
+    "export_quantization_maxlen": "export_quantization_bit saves bitsandbytes weights, which need no calibration data",
 }
 # LLaMA-Factory features not built here. Accepted only when off, so a YAML that lists them
 # still loads, and one that turns them on fails instead of quietly training something else.
@@ -69,6 +73,10 @@ def apply_lf_compat(values: dict[str, Any], origin: dict[str, str]) -> list[str]
         origin[new] = origin[old]
         notes.append(f"translated {old}: {old_value!r} to {new}: {value!r}.")
 
+    if values.get("export_quantization_bit"):
+        notes.append(f"export_quantization_bit {values['export_quantization_bit']} saves bitsandbytes "
+                     f"{'int8' if values['export_quantization_bit'] == 8 else 'nf4'} weights (LLaMA-Factory's is GPTQ, "
+                     "which needs a GPU): transformers loads them back as they are.")
     if values.get("finetuning_type") == "qlora":  # LLaMA-Factory spells QLoRA as lora + quantization_bit
         values["finetuning_type"] = "lora"
         if values.get("quantization_bit") is None:

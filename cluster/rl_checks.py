@@ -6,19 +6,18 @@ apply, and sampling and reward functions are part of the config."""
 
 from __future__ import annotations
 
-import contextlib
 import os
-import sys
-from typing import Callable, Iterator
+from typing import Callable
 
 from registries.errors import ArgumentError, UserError
 
 from .config_types import ConfigError
 
 
-def check_rl(run, where: Callable[[str], str]) -> None:
-    """Rules of the RL stages, whose policy trains in RayFactory's own loop (no HF Trainer)."""
-    from stages.rl.rewards import RewardFunctionError, load_reward_funcs
+def check_rl(run, where: Callable[[str], str], local: bool = True) -> None:
+    """Rules of the RL stages, whose policy trains in RayFactory's own loop (no HF Trainer).
+    ``local``: the run starts on this machine, so its reward modules and files can be checked here."""
+    from stages.rl.rewards import RewardFunctionError, importable_from, load_reward_funcs
     from stages.table import STAGES
 
     stage = run.finetuning.spec
@@ -29,9 +28,9 @@ def check_rl(run, where: Callable[[str], str]) -> None:
     # The reward functions run in this process (the RL controller's), so loading them now fails a
     # typo before Ray starts; the module then stays imported for the run.
     try:
-        if run.rl.reward_funcs:
+        if run.rl.reward_funcs:  # on another machine (submit) user modules are found, not run
             with importable_from(os.getcwd()):
-                load_reward_funcs(run.rl.reward_funcs, run.rl.reward_weights)
+                load_reward_funcs(run.rl.reward_funcs, run.rl.reward_weights, run_modules=local)
     except RewardFunctionError as exc:
         raise ConfigError(f"reward_funcs in {where('reward_funcs')}: {exc}") from None
     if run.finetuning.reward_model and not stage.rl.reward_model:
@@ -41,7 +40,7 @@ def check_rl(run, where: Callable[[str], str]) -> None:
             f"reward_funcs only; a reward model is read by stage {readers}. Remove reward_model, or use stage: "
             f"{readers}."
         )
-    for check in stage.rl.load_checks():
+    for check in stage.rl.load_checks(local):
         try:
             check(run, where)
         except ConfigError:
@@ -84,18 +83,3 @@ def check_rl(run, where: Callable[[str], str]) -> None:
             f"(each needs at least one). Raise rollout_batch_size (in {where('rollout_batch_size')}) or lower "
             "ray_num_workers."
         )
-
-
-@contextlib.contextmanager
-def importable_from(directory: str) -> Iterator[None]:
-    """``directory`` on sys.path for the imports inside the block only. "my_rewards:score" names a
-    module in the directory the run starts from, as `python -m` would find it (the rayfactory
-    script's own sys.path lacks that directory); the process's path is left as it was."""
-    added = directory not in sys.path
-    if added:
-        sys.path.insert(0, directory)
-    try:
-        yield
-    finally:
-        if added and directory in sys.path:
-            sys.path.remove(directory)

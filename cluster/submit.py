@@ -197,7 +197,7 @@ def config_mistake(config_path: str, overrides: Iterable[str] = ()) -> str | Non
     from .config import load_config
 
     try:
-        load_config(config_path, list(overrides))
+        load_config(config_path, list(overrides), purpose="submit")  # the job's machine checks its own files
     except Exception as exc:  # noqa: BLE001 (only user errors are answered; the rest re-raises)
         mistake = find_user_error(exc)
         if mistake is None:

@@ -112,12 +112,12 @@ def check_streaming(stage_name: str, launch: str, values: dict, where: typing.Ca
         )
 
 
-def check_trainer_checkpoint(path: str, where: typing.Callable[[str], str]) -> None:
+def check_trainer_checkpoint(path: str, where: typing.Callable[[str], str], kind: str | None = None) -> None:
     """An explicit ``resume_from_checkpoint`` must be a committed checkpoint (stages/training/checkpoints.py
     ``check_resumable``, the check every stage's resolver makes at launch too), refused here before
     any work. ``auto`` is resolved at launch: output_dir may only get its checkpoints later."""
     try:
-        check_resumable(path, place=where("resume_from_checkpoint"))
+        check_resumable(path, place=where("resume_from_checkpoint"), kind=kind)
     except ResumeError as exc:
         raise ConfigError(str(exc)) from None
 

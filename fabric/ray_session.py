@@ -48,7 +48,7 @@ def connect(ray_args: RayArguments, extra_cpus: float = 0) -> dict:
             kwargs.setdefault("include_dashboard", False)
             # Ray gives its Train controller actor this switch, and so every actor the controller
             # starts: a streamed run's DatasetManager, an async actor whose shutdown ray.get()s.
-            # On this Ray the controller runs in the driver (driver_controller.py), so the job passes
+            # On this Ray the controller runs in the driver (controller_in_driver.py), so the job passes
             # it on ("0", Ray Train's value; importing its constant would import Ray Train here).
             env_vars.setdefault(RAY_WARN_BLOCKING_GET_INSIDE_ASYNC_ENV_VAR, "0")
             # Ray starts workers at nice 15, below its own daemons and this driver; a spinning

@@ -15,14 +15,16 @@ latest complete checkpoint in output_dir, up to max_failures times (-1: always).
 from __future__ import annotations
 
 import logging
+import os
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable, Optional
 
 from stages.job import JobSpec
+from stages.rl.rewards import importable_from
 from stages.rl.roles import PromptRow, RLRun
 
 from .actor_group import ActorGroup, gather
-from fabric.ray_args import RayArguments
+from .ray_args import RayArguments
 from .placement import RoleSpec, place_roles, release
 from .rl_roles import CriticActor, PolicyActor, RayRoles, RewardActor
 
@@ -54,7 +56,7 @@ def launch_rl(spec: JobSpec, ray_args: RayArguments, train_ds: "ray.data.Dataset
     prompts = prompt_rows(train_ds, tokenizer)
     eval_prompts = prompt_rows(eval_ds, tokenizer) if eval_ds is not None else []
     output_dir = spec.training.output_dir
-    resume = resolve_resume(spec.training.resume_from_checkpoint, output_dir)
+    resume = resolve_resume(spec.training.resume_from_checkpoint, output_dir, kind="rl")
     failures = 0
     while True:
         run = RLRun(spec, None, prompts, tokenizer, template, eval_prompts=eval_prompts,
@@ -67,7 +69,7 @@ def launch_rl(spec: JobSpec, ray_args: RayArguments, train_ds: "ray.data.Dataset
             if ray_args.max_failures != -1 and failures >= ray_args.max_failures:
                 raise
             failures += 1
-            resume = latest_committed(output_dir)
+            resume = latest_committed(output_dir, kind="rl")
             logger.warning("RL attempt failed (%s: %s); restarting every role from %s (failure %d of %s)",
                            type(exc).__name__, exc, resume or "the start", failures,
                            "unlimited" if ray_args.max_failures == -1 else ray_args.max_failures)
@@ -107,7 +109,10 @@ def _attempt(run: RLRun, ray_args: RayArguments) -> dict:
             engines, weight_sync = _start_engines(spec, ray_args, placements["rollout"])
             groups.append(engines)
         run.roles = RayRoles(policy, engines, weight_sync, critic=critic, reward=reward)
-        return spec.stage.load_runner()(run)
+        # "my_rewards:score" and what it imports as it runs come from the directory the run started
+        # in, for the run's length only
+        with importable_from(os.getcwd()):
+            return spec.stage.load_runner()(run)
     finally:
         for group in reversed(groups):
             group.kill()

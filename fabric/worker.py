@@ -183,7 +183,7 @@ def _resume_point(requested: Optional[str], output_dir: str) -> Optional[str]:
         local = _readable_copy(checkpoint)
         nested = os.path.join(local, RAY_CKPT_SUBDIR)
         return nested if os.path.isdir(nested) else local
-    return resolve_resume(requested, output_dir)
+    return resolve_resume(requested, output_dir, kind="trainer")
 
 
 def _memory_budget(payload: WorkerPayload):

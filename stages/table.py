@@ -6,7 +6,7 @@ reference policy, and for the RL stages (``RLSpec``) which roles it runs, how ma
 updates a step makes, its defaults and its config checks. Config checks, the data pipeline, the
 workers, the RL launcher, the console, ``rayfactory --help`` and error messages all read this
 table; nothing else compares stage names. Adding a stage is one ``register_stage`` call here
-plus its recipe module under stages/.
+plus its recipe module under stages/recipes/.
 
 Recipes and collators are named as "module:function" inside stages/ and imported only where
 they run, so reading the table (config checks, the CLI's help) imports neither torch nor
@@ -76,6 +76,9 @@ class RLSpec:
     # "module:function" in stages/ or callables (RunConfig, where) run by load_config; each raises a
     # UserError paragraph. ``where(key)`` names the file or override a key came from.
     checks: tuple[str | Callable[..., None], ...] = ()
+    # The same, for rules about files on the machine that runs the job (a reward model folder):
+    # `rayfactory submit` checks a config on another machine and skips them.
+    file_checks: tuple[str | Callable[..., None], ...] = ()
 
     def roles(self, finetuning_args, rl_args) -> tuple[str, ...]:
         """The roles a run of this stage has. Each is an actor group of its own but the reference,
@@ -92,8 +95,8 @@ class RLSpec:
             roles.append("reward")
         return tuple(roles)
 
-    def load_checks(self) -> list[Callable[..., None]]:
-        return [_load(check) for check in self.checks]
+    def load_checks(self, local: bool = True) -> list[Callable[..., None]]:
+        return [_load(check) for check in self.checks + (self.file_checks if local else ())]
 
     def load_rl_defaults(self) -> Callable[..., dict] | None:
         return None if self.rl_defaults is None else _load(self.rl_defaults)
@@ -130,6 +133,11 @@ class StageSpec:
             raise ValueError(f"stage {self.name!r}: {self.tokenize} examples cannot be packed")
         if (self.rl is not None) != (self.launch == "rl_controller"):
             raise ValueError(f"stage {self.name!r}: an RLSpec is given exactly for launch rl_controller")
+
+    @property
+    def checkpoint_kind(self) -> str:
+        """The kind of checkpoint its runs write and resume from (stages/training/checkpoints.py)."""
+        return "rl" if self.launch == "rl_controller" else "trainer"
 
     def preprocess_fn(self, tokenizer, template, data_args):
         """The picklable batch function that tokenizes and masks this stage's aligned rows."""
@@ -232,5 +240,6 @@ register_stage(StageSpec(
         critic=True, reward_model=True, kl_in_loss=False,
         updates_per_step=_ppo_updates,
         rl_defaults="rl.rl_args:ppo_defaults", checks=("rl.checks:check_ppo",),
+        file_checks=("rl.checks:check_ppo_reward_model",),
     ),
 ))

@@ -2,7 +2,7 @@
 
 Tokenized train (and eval) datasets come from ``tokenized_path`` when it already holds them
 (cache.py), else from a lazy stream (``streaming: true``, streaming.py), else from the driver
-process for small files (in_driver.py), else from Ray Data tasks across the cluster (ray_data.py).
+process for small files (tokenize_in_driver.py), else from Ray Data tasks across the cluster (ray_data.py).
 Every way gives the same rows in the same order (tests/e2e/test_data_pipeline.py).
 What the user should read (data ready, bad rows skipped, a reused tokenized_path) is logged at
 INFO or above: the CLI's console shows this package's records.
@@ -33,7 +33,7 @@ from .streaming import streamed_splits
 
 logger = logging.getLogger(__name__)
 
-# preprocessing_engine "auto" tokenizes in the driver (in_driver.py) up to this
+# preprocessing_engine "auto" tokenizes in the driver (tokenize_in_driver.py) up to this
 # many bytes of data files, all datasets together: ~2-4 s of the driver's time here, hidden behind
 # the workers' start. Beyond it, Ray Data's parallel tasks pay for their processes
 # (benchmarks/README.md, "Small data in the driver").

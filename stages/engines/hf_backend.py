@@ -77,19 +77,26 @@ class HFEngine:
             output_logits=sampling.logprobs is not None,  # raw logits, before temperature and top-p
         )
         new_tokens = out.sequences[:, width:]
-        chosen = None
+        chosen, tops = None, []
         if sampling.logprobs is not None:
             # One step at a time: a [batch, steps, vocab] float32 stack would not fit for real vocabularies.
-            chosen = torch.stack([
-                logits.float().log_softmax(-1).gather(-1, new_tokens[:, k, None]).squeeze(-1)
-                for k, logits in enumerate(out.logits)
-            ], dim=1)
+            steps = []
+            for k, logits in enumerate(out.logits):
+                step = logits.float().log_softmax(-1)
+                steps.append(step.gather(-1, new_tokens[:, k, None]).squeeze(-1))
+                if sampling.logprobs > 0:
+                    tops.append(torch.topk(step, sampling.logprobs))
+            chosen = torch.stack(steps, dim=1)
         completions = []
         for row, (prompt_index, _) in enumerate(chunk):
             tokens = new_tokens[row].tolist()
             end, finish = cut_at_stop(tokens, sampling.stop_token_ids)
-            logprobs = chosen[row, :end].tolist() if chosen is not None else None
-            completions.append(Completion(tokens[:end], finish, logprobs, None, 0, prompt_index))
+            logprobs = top = None
+            if chosen is not None:
+                logprobs = chosen[row, :end].tolist()
+                top = [tuple(zip(t.indices[row].tolist(), t.values[row].tolist())) for t in tops[:end]] if tops \
+                    else [()] * end
+            completions.append(Completion(tokens[:end], finish, logprobs, top, 0, prompt_index))
         return completions
 
     # --- requests: one at a time, streamed ---------------------------------------------------

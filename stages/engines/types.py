@@ -86,7 +86,10 @@ class Engine(Protocol):
     The streaming side (``generate``, ``stream``) serves concurrent requests; ``generate_batch``
     is the rollout side: many prompts at once, n replies each. The RL hooks are
     ``load_weights`` / ``reset_cache``; a backend that samples from the trained weights
-    themselves (HF inside the policy) needs neither.
+    themselves (HF inside the policy) needs neither. HFEngine offers both sides on one model;
+    vLLM has two front ends, so a VLLMEngine is built for one side: for rollouts (offline ``LLM``:
+    ``generate_batch`` and the weight hooks) or for requests (``AsyncLLM``: ``stream``/``generate``
+    and ``pause``/``resume``), and says so when asked for the other.
     """
 
     name: str  # "huggingface" or "vllm"

@@ -16,8 +16,6 @@ class RLConfigError(UserError):
 
 def check_ppo(run, where: Callable[[str], str]) -> None:
     """Stage ppo's scorers (reward model and/or reward functions), critic and mini-batches."""
-    from stages.training.value_head import VALUE_HEAD_FILE, is_adapter_folder
-
     tuning, rl = run.finetuning, run.rl
     if not tuning.reward_model and not rl.reward_funcs:
         raise RLConfigError(
@@ -35,6 +33,26 @@ def check_ppo(run, where: Callable[[str], str]) -> None:
             f"reward_model_adapters in {where('reward_model_adapters')}: adapters on top of a reward model are not "
             "supported; merge them with `rayfactory export` and point reward_model at the export."
         )
+    if rl.critic_init == "reward" and not tuning.reward_model:
+        raise RLConfigError(
+            f"critic_init reward in {where('critic_init')} starts the critic from the reward model, but no "
+            "reward_model is set. Use critic_init: policy, or set reward_model."
+        )
+    mini_batch = rl.completions_per_step // rl.ppo_buffer_size
+    ranks = max(run.ray.ray_num_workers, run.ray.critic_num_workers if rl.uses_critic else 1)
+    if mini_batch < ranks:
+        raise RLConfigError(
+            f"a PPO step's {rl.completions_per_step} completions in ppo_buffer_size {rl.ppo_buffer_size} mini-batches "
+            f"leave {mini_batch} per mini-batch, fewer than the {ranks} policy/critic workers that each need one. "
+            f"Lower ppo_buffer_size (in {where('ppo_buffer_size')}) or raise rollout_batch_size."
+        )
+
+
+def check_ppo_reward_model(run, where: Callable[[str], str]) -> None:
+    """The reward model folder is the output of a stage rm run, of the configured type."""
+    from stages.training.value_head import VALUE_HEAD_FILE, is_adapter_folder
+
+    tuning = run.finetuning
     folder = tuning.reward_model
     if folder:
         if not os.path.isdir(folder):
@@ -54,16 +72,3 @@ def check_ppo(run, where: Callable[[str], str]) -> None:
                 f"reward_model {folder!r} is {kind}, but reward_model_type is {tuning.reward_model_type!r} "
                 f"(in {where('reward_model_type')}). Set reward_model_type: {'lora' if adapter else 'full'}."
             )
-    if rl.critic_init == "reward" and not folder:
-        raise RLConfigError(
-            f"critic_init reward in {where('critic_init')} starts the critic from the reward model, but no "
-            "reward_model is set. Use critic_init: policy, or set reward_model."
-        )
-    mini_batch = rl.completions_per_step // rl.ppo_buffer_size
-    ranks = max(run.ray.ray_num_workers, run.ray.critic_num_workers if rl.uses_critic else 1)
-    if mini_batch < ranks:
-        raise RLConfigError(
-            f"a PPO step's {rl.completions_per_step} completions in ppo_buffer_size {rl.ppo_buffer_size} mini-batches "
-            f"leave {mini_batch} per mini-batch, fewer than the {ranks} policy/critic workers that each need one. "
-            f"Lower ppo_buffer_size (in {where('ppo_buffer_size')}) or raise rollout_batch_size."
-        )

@@ -52,7 +52,7 @@ class RunProgress:
             if self.state.get("total_steps") not in (None, total_steps):
                 logger.warning("the checkpoint was taken in a run of %s steps, this one has %d: the learning-rate "
                                "schedule continues from the saved one", self.state.get("total_steps"), total_steps)
-        uncommit_after(self.output_dir, self.start_step)  # a replaced run's: auto must not pick them up
+        uncommit_after(self.output_dir, self.start_step, kind="rl")  # a replaced run's: auto must not pick them up
         self.log = StepLog(self.output_dir, total_steps, append=bool(run.resume_from))
         save_every = options.save_steps if options.save_strategy not in ("no", "epoch") else 0
         self.save_every = every(save_every, total_steps)
@@ -84,7 +84,8 @@ class RunProgress:
             yield step, next(batches)
 
     def end_step(self, step: int, values: dict, timer: PhaseTimer, recipe_state: Callable[[], dict]) -> None:
-        """Weight sync, the periodic eval, the log record, and a checkpoint when save_steps says so."""
+        """Weight sync, the periodic eval, the log record, and a checkpoint when save_steps says so
+        and at the last step."""
         with timer("sync"):
             values.update(self.run.roles.sync_weights())
         self.evaluated_last = bool(self.eval_every) and step % self.eval_every == 0
@@ -93,7 +94,9 @@ class RunProgress:
         values.update(timer.seconds)
         if step % self.log_every == 0 or step == self.total_steps:
             self.emit(step, values)
-        if self.save_every and step % self.save_every == 0:
+        # ... and at the last step, as the HF Trainer saves at the end: a rerun of the finished run
+        # then resumes at its end and trains nothing (cluster/finished_run.py)
+        if self.save_every and (step % self.save_every == 0 or step == self.total_steps):
             self._checkpoint(step, recipe_state)
 
     def finish(self, plot_keys: tuple[str, ...]) -> dict:

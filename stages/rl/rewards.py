@@ -17,13 +17,16 @@ is imported on each worker, so it must be importable there (the repo root or the
 
 from __future__ import annotations
 
+import contextlib
 import importlib
+import importlib.util
 import inspect
 import math
 import numbers
 import re
+import sys
 from dataclasses import dataclass
-from typing import Any, Callable, Optional, Sequence
+from typing import Any, Callable, Iterator, Optional, Sequence
 
 from registries.errors import UserError
 from registries.unique import add_unique
@@ -203,7 +206,9 @@ class RewardSet:
         return RewardScores(total=total, per_function=per_function, names=self.names)
 
 
-def _resolve(spec: str) -> RewardFunc:
+def _resolve(spec: str, run_module: bool = True) -> Optional[RewardFunc]:
+    """The function ``spec`` names. ``run_module`` False only finds a user module's file, without
+    running it (its own imports may exist only where the job runs): None when it is there."""
     if ":" not in spec:
         if spec in REWARDS:
             return REWARDS[spec]
@@ -212,6 +217,10 @@ def _resolve(spec: str) -> RewardFunc:
             "'module.path:function' with the module importable from the working directory.")
     module_name, _, attr = spec.partition(":")
     try:
+        if not run_module:
+            if importlib.util.find_spec(module_name) is None:
+                raise ModuleNotFoundError(f"No module named {module_name!r}", name=module_name)
+            return None
         module = importlib.import_module(module_name)
     except ModuleNotFoundError as exc:
         if exc.name is None or not (module_name == exc.name or module_name.startswith(exc.name + ".")):
@@ -237,8 +246,9 @@ def _resolve(spec: str) -> RewardFunc:
     return fn
 
 
-def load_reward_funcs(specs: list[str], weights: Optional[list[float]] = None) -> RewardSet:
-    """Resolve each spec (built-in name or "module.path:function"); weights default to 1.0 each."""
+def load_reward_funcs(specs: list[str], weights: Optional[list[float]] = None, run_modules: bool = True) -> RewardSet:
+    """Resolve each spec (built-in name or "module.path:function"); weights default to 1.0 each.
+    ``run_modules`` False checks user modules by finding their files only (``rayfactory submit``)."""
     if not specs:
         raise RewardFunctionError("No reward functions given: set reward_funcs, e.g. [exact_match].")
     if len(set(specs)) != len(specs):
@@ -249,4 +259,19 @@ def load_reward_funcs(specs: list[str], weights: Optional[list[float]] = None) -
         weights = [1.0] * len(specs)
     if len(weights) != len(specs):
         raise RewardFunctionError(f"{len(weights)} reward_weights for {len(specs)} reward_funcs; give one each.")
-    return RewardSet(specs=list(specs), funcs=[_resolve(s) for s in specs], weights=[float(w) for w in weights])
+    return RewardSet(specs=list(specs), funcs=[_resolve(s, run_modules) for s in specs], weights=[float(w) for w in weights])
+
+
+@contextlib.contextmanager
+def importable_from(directory: str) -> Iterator[None]:
+    """``directory`` on sys.path for the imports inside the block only. "my_rewards:score" names a
+    module in the directory the run starts from, as `python -m` would find it (the rayfactory
+    script's own sys.path lacks that directory); the process's path is left as it was."""
+    added = directory not in sys.path
+    if added:
+        sys.path.insert(0, directory)
+    try:
+        yield
+    finally:
+        if added and directory in sys.path:
+            sys.path.remove(directory)

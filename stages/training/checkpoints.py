@@ -45,6 +45,9 @@ RL_STATE_FILE = "rl_state.json"  # the RL loops' controller state (stages/rl/che
 # Each kind of checkpoint's state file and the key of the run's planned total in it: what a checkpoint
 # without a manifest, or with a format-1 one, is recognised and read by.
 STATE_FILES = {TRAINER_STATE_FILE: "max_steps", RL_STATE_FILE: "total_steps"}
+# The kinds of checkpoint, by the state file that says which loop wrote one: a run resumes only
+# from its own kind (an sft run's output_dir may hold an RL run's checkpoints, and the other way).
+KIND_FILES = {"trainer": TRAINER_STATE_FILE, "rl": RL_STATE_FILE}
 _CHECKPOINT_NAME = re.compile(re.escape(CHECKPOINT_PREFIX) + r"(\d+)")
 _TEMPORARY_SUFFIX = ".tmp"
 
@@ -123,6 +126,11 @@ def staging_folder(output_dir: str, step: int) -> str:
     return staging
 
 
+def checkpoint_kind(folder: str) -> str | None:
+    """"trainer" or "rl": which loop wrote the checkpoint (its state file); None for neither."""
+    return next((kind for kind, name in KIND_FILES.items() if os.path.isfile(os.path.join(folder, name))), None)
+
+
 def commit_checkpoint(folder: str, step: int, total_steps: int | None = None, save_total_limit: int | None = None,
                       keep: Iterable[str | None] = ()) -> str:
     """Commit the checkpoint of step ``step`` written in ``folder`` and return its ``checkpoint-N`` path.
@@ -142,7 +150,7 @@ def commit_checkpoint(folder: str, step: int, total_steps: int | None = None, sa
             shutil.rmtree(final)
         os.replace(folder, final)
         _fsync(output_dir)
-    prune_checkpoints(committed_checkpoints(output_dir), save_total_limit, protected=(final, *keep))
+    prune_checkpoints(committed_checkpoints(output_dir, checkpoint_kind(final)), save_total_limit, protected=(final, *keep))
     return final
 
 
@@ -186,13 +194,15 @@ def verify_checkpoint(folder: str) -> str | None:
     return None
 
 
-def uncommit_after(output_dir: str, step: int) -> list[str]:
+def uncommit_after(output_dir: str, step: int, kind: str | None = None) -> list[str]:
     """Uncommit every ``checkpoint-N`` in ``output_dir`` with N beyond ``step``, where a run starts
     (0: fresh); return them. They belong to a run this one replaces (it resumed from an earlier
     checkpoint, or started over in the same output_dir): ``auto`` must not resume the old run from
     them after this one dies, and an old manifest must not vouch for a folder of the same step that
-    this run writes in place. The files stay, for whoever wants to look at them."""
-    replaced = [path for n, path in checkpoint_folders(output_dir) if n > step and uncommit(path)]
+    this run writes in place. Only checkpoints of ``kind`` (None: any) count. The files stay, for
+    whoever wants to look at them."""
+    replaced = [path for n, path in checkpoint_folders(output_dir)
+                if n > step and (kind is None or checkpoint_kind(path) == kind) and uncommit(path)]
     if replaced:
         logger.warning(
             "%d checkpoint(s) in %s lie beyond step %d, where this run starts, so they belong to the run it replaces: "
@@ -201,15 +211,22 @@ def uncommit_after(output_dir: str, step: int) -> list[str]:
     return replaced
 
 
-def committed_checkpoints(output_dir: str) -> list[tuple[int, str]]:
-    """(step, path) of every ``checkpoint-N`` in ``output_dir`` whose manifest verifies, by step."""
-    return [(step, path) for step, path in checkpoint_folders(output_dir) if verify_checkpoint(path) is None]
+def committed_checkpoints(output_dir: str, kind: str | None = None) -> list[tuple[int, str]]:
+    """(step, path) of every ``checkpoint-N`` in ``output_dir`` whose manifest verifies, by step;
+    only those of ``kind`` unless it is None."""
+    return [(step, path) for step, path in checkpoint_folders(output_dir)
+            if verify_checkpoint(path) is None and (kind is None or checkpoint_kind(path) == kind)]
 
 
-def latest_committed(output_dir: str) -> str | None:
-    """The newest checkpoint in ``output_dir`` whose manifest verifies, or None (a fresh start).
-    Every newer folder that fails is skipped with a warning that names it and says why."""
+def latest_committed(output_dir: str, kind: str | None = None) -> str | None:
+    """The newest checkpoint of ``kind`` (None: any) in ``output_dir`` whose manifest verifies, or
+    None (a fresh start). Every newer folder that fails is skipped with a warning that names it and
+    says why; another kind's checkpoints are not this run's and are passed over."""
     for _, path in reversed(checkpoint_folders(output_dir)):
+        found = checkpoint_kind(path)
+        if kind is not None and found is not None and found != kind:
+            logger.info("resume_from_checkpoint auto: passing over %s, a checkpoint of another kind of stage", path)
+            continue
         reason = verify_checkpoint(path)
         if reason is None:
             logger.info("resume_from_checkpoint auto: resuming from %s", path)
@@ -228,15 +245,24 @@ class ResumeError(UserError):
 _warned_unverifiable: set[str] = set()  # each such folder's warning once per process, not once per check
 
 
-def check_resumable(path: str, place: str | None = None) -> None:
+def check_resumable(path: str, place: str | None = None, kind: str | None = None) -> None:
     """Raise ResumeError, a paragraph naming ``path`` (and ``place``, where the config set it),
     unless ``path`` is a committed checkpoint. One written before checkpoints had manifests (or by
     another tool) but with its stage's state file is taken as it is, with a warning, since it
-    cannot be checked; ``auto`` never picks such a folder."""
+    cannot be checked; ``auto`` never picks such a folder. With ``kind``, a checkpoint another kind
+    of stage wrote is refused too."""
+    named = f"resume_from_checkpoint {path}" + (f" in {place}" if place else "")
+    found = checkpoint_kind(path) if os.path.isdir(path) else None
+    if kind is not None and found is not None and found != kind:
+        writers = {"trainer": "a Ray Train stage (pt, sft, rm, dpo, kto: trainer_state.json)",
+                   "rl": "an RL stage (grpo, ppo: rl_state.json)"}
+        raise ResumeError(
+            f"{named} is a checkpoint of {writers[found]}, but this run is {writers[kind].split(' (')[0]}, which "
+            "cannot resume from it. Point resume_from_checkpoint at a checkpoint of this stage, or give this run "
+            "an output_dir of its own.")
     reason = verify_checkpoint(path)
     if reason is None:
         return
-    named = f"resume_from_checkpoint {path}" + (f" in {place}" if place else "")
     also = "or set resume_from_checkpoint: auto to resume from the newest committed checkpoint in output_dir."
     if not os.path.isdir(path):
         raise ResumeError(f"{named} does not exist. Point resume_from_checkpoint at a {CHECKPOINT_PREFIX}N folder, "
@@ -261,16 +287,16 @@ def check_resumable(path: str, place: str | None = None) -> None:
         f"resume_from_checkpoint at an earlier {CHECKPOINT_PREFIX}N folder, {also}")
 
 
-def resolve_resume(requested: str | None, output_dir: str) -> str | None:
+def resolve_resume(requested: str | None, output_dir: str, kind: str | None = None) -> str | None:
     """The checkpoint folder a run resumes from, or None for a fresh start; the one resolver of
     every stage. ``requested`` is ``resume_from_checkpoint``: None or "" (fresh), ``auto`` (the
     newest committed checkpoint in ``output_dir``, if any), or a folder, which must pass
-    ``check_resumable``."""
+    ``check_resumable``. ``kind``: the run's own kind of checkpoint ("trainer" or "rl")."""
     if not requested:
         return None
     if requested == "auto":
-        return latest_committed(output_dir)
-    check_resumable(requested)
+        return latest_committed(output_dir, kind)
+    check_resumable(requested, kind=kind)
     return requested
 
 

@@ -41,7 +41,7 @@ class CommitCheckpoints(TrainerCallback):
     def on_train_begin(self, args, state, control, **kwargs):
         # Before any rank writes: the Trainer writes a folder of the same step in place.
         if args.should_save:
-            uncommit_after(args.output_dir, state.global_step)
+            uncommit_after(args.output_dir, state.global_step, kind="trainer")
         wait_for_all_ranks()
 
     def on_save(self, args, state, control, **kwargs):

@@ -213,3 +213,26 @@ def test_a_job_command_against_no_head_ends_with_one_paragraph(capsys):
     assert main(["status", "job-1", "--address", address]) == 2
     error = capsys.readouterr().err.strip().splitlines()[-1]
     assert error.startswith(f"rayfactory status: error: no Ray job server answers at {address}. --address")
+
+
+def test_submit_checks_the_rules_but_not_files_and_packages_that_only_the_cluster_has(tmp_path, capsys, monkeypatch):
+    """A config naming cluster-side paths (a reward model, a DeepSpeed file, a checkpoint) is sent;
+    `train` on this machine refuses it; a broken rule is refused by both with the same paragraph."""
+    config = tmp_path / "ppo.yaml"
+    repo = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    keys = {**yaml.safe_load(open(os.path.join(repo, "configs/ppo_lora.yaml"), encoding="utf-8")),
+            "dataset_dir": os.path.join(repo, "data"),
+            "reward_model": "/mnt/shared/rm", "resume_from_checkpoint": "/mnt/shared/run/checkpoint-8",
+            "reward_funcs": ["cluster_rewards:score"]}
+    # the module is in the working directory (uploaded with the job), its own import only on the cluster
+    (tmp_path / "cluster_rewards.py").write_text("import package_only_on_the_cluster\n")
+    monkeypatch.chdir(tmp_path)
+    config.write_text(yaml.safe_dump(keys))
+    assert main(["submit", str(config), "--dry-run", "--address", HEAD]) == 0
+    capsys.readouterr()
+    assert main(["train", str(config)]) == 2
+    assert "package_only_on_the_cluster" in capsys.readouterr().err  # train runs the module here
+    config.write_text(yaml.safe_dump({**keys, "temperature": 0.0}))
+    assert main(["submit", str(config), "--dry-run", "--address", HEAD]) == 2
+    submitted = capsys.readouterr().err
+    assert "greedy rollouts make every completion of a prompt the same" in submitted

@@ -130,3 +130,14 @@ def test_predict_after_training_uses_the_trained_adapter(ray_session, sft_config
     with open(os.path.join(out, "all_results.json"), encoding="utf-8") as f:
         merged = json.load(f)
     assert "predict_bleu-4" in merged and "train_loss" in merged  # the Trainer's results, with ours merged in
+
+    # A rerun of the finished run trains nothing but still predicts (a failed predict can be redone)
+    os.remove(os.path.join(out, "generated_predictions.jsonl"))
+    with open(os.path.join(out, "trainer_log.jsonl"), encoding="utf-8") as f:
+        log = f.read()
+    again = run_exp({**config, "resume_from_checkpoint": "auto"})
+    assert read_jsonl(os.path.join(out, "generated_predictions.jsonl")) == lines
+    assert "loss" not in again.metrics and "predict_rouge-l" in again.metrics
+    with open(os.path.join(out, "trainer_log.jsonl"), encoding="utf-8") as f:
+        assert f.read() == log
+    assert not any(name == "checkpoint-3" for name in os.listdir(out))

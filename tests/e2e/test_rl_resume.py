@@ -184,13 +184,16 @@ def test_critic_killed_mid_run_restarts_from_the_last_checkpoint(ray_session, tm
 
 def test_grpo_resumed_from_a_named_checkpoint_repeats_the_unbroken_run(ray_session, tmp_path):
     """The same checkpoints serve stage grpo: resuming from A's own checkpoint-2 (named by its
-    path, in a copy of A's output) trains steps 3-4 exactly as A did."""
+    path, in a copy of A's output) trains steps 3-5 exactly as A did. save_steps 2 does not divide
+    max_steps 5: the last step is saved too, so a rerun of A trains nothing (auto would otherwise
+    resume from checkpoint-4 and train step 5 again)."""
     def grpo(output_dir, **overrides):
         return ppo_config(output_dir, stage="grpo", finetuning_type="full", num_generations=4, rollout_batch_size=4,
-                          reward_funcs=["digit_ratio"], beta=0.02, critic_init=None,
+                          reward_funcs=["digit_ratio"], beta=0.02, critic_init=None, max_steps=5,
                           **overrides)
 
     a = run_exp(grpo(tmp_path / "a"))
+    assert (tmp_path / "a" / "checkpoint-5").is_dir()  # the last step, saved though 2 does not divide 5
     assert_rerun_of_a_finished_run_trains_nothing(grpo(tmp_path / "a"))
     b_dir = tmp_path / "b"
     shutil.copytree(tmp_path / "a" / "checkpoint-2", b_dir / "checkpoint-2")
@@ -199,8 +202,8 @@ def test_grpo_resumed_from_a_named_checkpoint_repeats_the_unbroken_run(ray_sessi
     resumed = run_exp(grpo(b_dir, resume_from_checkpoint=str(b_dir / "checkpoint-2")))
 
     a_steps, b_steps = _steps(a.output_dir), _steps(resumed.output_dir)
-    assert sorted(b_steps) == [1, 2, 3, 4]
-    for step in (3, 4):
+    assert sorted(b_steps) == [1, 2, 3, 4, 5]
+    for step in (3, 4, 5):
         for key in ("reward", "loss", "kl", "lr"):
             assert b_steps[step][key] == pytest.approx(a_steps[step][key], abs=PARAM_TOL), (step, key)
     a_weights = load_file(os.path.join(a.output_dir, "model.safetensors"))

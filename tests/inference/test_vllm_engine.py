@@ -1,6 +1,6 @@
 """ChatModel on vLLM against ChatModel on transformers, same base and adapters, float32 both sides:
 the same greedy tokens, the same raw log-probs. One vLLM engine for the module (its start is the
-slow part); the bare base is a second VLLMChatEngine view on that engine with no default adapter."""
+slow part); the bare base is a second view (a copy of the VLLMEngine) on that engine with no default adapter."""
 
 from __future__ import annotations
 
@@ -147,24 +147,35 @@ def test_pause_holds_new_requests_until_resume(chats):
     """The hook RL needs to swap weights under a serving engine: while paused no token comes out;
     after resume the held request completes with the reply it would have had."""
     import asyncio
+    import inspect
+    import time
 
     vllm_chat, _, _, _ = chats
     engine = vllm_chat.engine
     request = vllm_chat.request(PROMPTS[0])
 
-    async def paused_then_resumed():
+    async def first_token_seconds():  # the control: how soon an unpaused engine answers here
+        start, stream = time.perf_counter(), engine.stream(request)
+        await stream.__anext__()
+        await stream.aclose()
+        return time.perf_counter() - start
+
+    async def paused_then_resumed(hold: float):
         await engine.pause()
+        paused = engine.llm.is_paused()
+        paused = await paused if inspect.isawaitable(paused) else paused
         stream = engine.stream(request)
         first = asyncio.ensure_future(stream.__anext__())
-        await asyncio.sleep(1.5)  # an unpaused tiny model streams its first token in well under this
+        await asyncio.sleep(hold)
         held = not first.done()
         await engine.resume()
         delta = await first
         tokens = list(delta.token_ids)
         async for delta in stream:
             tokens += delta.token_ids
-        return held, tokens
+        return paused, held, tokens
 
-    held, tokens = vllm_chat._run(paused_then_resumed())
-    assert held
+    control = vllm_chat._run(first_token_seconds())
+    paused, held, tokens = vllm_chat._run(paused_then_resumed(max(1.0, 20 * control)))
+    assert paused and held, f"the first token came while paused (an unpaused one takes {control:.3f} s)"
     assert tokens == vllm_chat.chat(PROMPTS[0])[0].token_ids

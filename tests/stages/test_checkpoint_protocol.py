@@ -144,10 +144,21 @@ def test_an_rl_and_a_trainer_checkpoint_are_resolved_by_the_same_function(tmp_pa
     assert checkpoint_progress(named) == (2, 7)
 
 
-def test_auto_takes_the_newest_committed_of_either_kind(tmp_path):
-    rl_checkpoint(tmp_path, 3)
-    newest = trainer_checkpoint(tmp_path, 10)
-    assert resolve_resume("auto", str(tmp_path)) == newest
+def test_auto_takes_the_newest_committed_checkpoint_of_the_runs_own_kind(tmp_path):
+    """An output_dir holding both kinds (an sft run, then a grpo run in the same folder): each run
+    resumes from its own; the other's is refused by name, and neither prunes or uncommits the other's."""
+    rl = rl_checkpoint(tmp_path, 3)
+    trainer = trainer_checkpoint(tmp_path, 10)
+    assert resolve_resume("auto", str(tmp_path), kind="rl") == rl
+    assert resolve_resume("auto", str(tmp_path), kind="trainer") == trainer
+    with pytest.raises(ResumeError, match=r"is a checkpoint of a Ray Train stage .* but this run is an RL stage"):
+        resolve_resume(trainer, str(tmp_path), kind="rl")
+    with pytest.raises(ResumeError, match=r"is a checkpoint of an RL stage .* but this run is a Ray Train stage"):
+        resolve_resume(rl, str(tmp_path), kind="trainer")
+    assert uncommit_after(str(tmp_path), 0, kind="trainer") == [trainer]
+    assert resolve_resume("auto", str(tmp_path), kind="rl") == rl  # the RL checkpoint is still committed
+    rl_checkpoint(tmp_path, 5, limit=1)  # pruning keeps one RL checkpoint: the trainer's is not counted
+    assert os.path.isdir(trainer) and not os.path.isdir(rl)
 
 
 def test_a_missing_folder_is_refused_by_name(tmp_path):

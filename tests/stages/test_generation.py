@@ -78,3 +78,20 @@ def test_greedy_n_is_one_reply_handed_out_n_times(tiny):
 def test_exact_match():
     assert exact_match([" 7", "8"], ["7", "9"]) == 0.5
     assert exact_match([], []) == 0.0
+
+
+def test_batch_log_probs_are_raw_whatever_the_temperature_and_top_k_comes_with_them(tiny):
+    """The rollout side reports log_softmax of the unmodified logits (the RL math compares them with
+    the policy's own), at any sampling temperature, and the k most likely tokens when asked."""
+    model, tokenizer, template = tiny
+    ids = [template.encode_oneturn(tokenizer, PROMPTS[0] + [{"role": "assistant", "content": ""}])[0]]
+    engine = HFEngine(model, tokenizer.pad_token_id)
+    (hot,) = engine.generate_batch(ids, SamplingSpec(temperature=5.0, max_tokens=6, seed=1, logprobs=3))
+    with torch.no_grad():
+        logits = model(torch.tensor([ids[0] + hot.token_ids])).logits[0, len(ids[0]) - 1:-1].float().log_softmax(-1)
+    expected = logits.gather(-1, torch.tensor(hot.token_ids)[:, None]).squeeze(-1)
+    assert hot.logprobs == pytest.approx(expected.tolist(), abs=1e-4)
+    for step, top in zip(logits, hot.top_logprobs):
+        best = torch.topk(step, 3)
+        assert [t for t, _ in top] == best.indices.tolist()
+        assert [lp for _, lp in top] == pytest.approx(best.values.tolist(), abs=1e-4)
