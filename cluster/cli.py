@@ -1,5 +1,5 @@
 """The ``rayfactory`` command: train, chat, export, serve (alias api), submit, status, logs, stop,
-jobs, webui, env, version, templates.
+jobs, webui, webchat, env, version, templates.
 
 Heavy imports (torch, transformers, Ray, the driver) happen inside the subcommand that needs
 them, so ``rayfactory version`` and ``rayfactory templates`` answer at once.
@@ -25,6 +25,7 @@ from registries.errors import find_user_error
 
 from .arguments import parse_arguments
 from .submit import JOB_ACTIONS, add_job_arguments, add_submit_arguments, run_job, run_submit
+from .webchat import add_webchat_arguments
 from .webui.server import add_webui_arguments
 
 # Reported by ``rayfactory env``: core first, then the optional extras.
@@ -117,6 +118,9 @@ def build_parser() -> argparse.ArgumentParser:
         description="Serve the RayFactory board (Train, Chat and Export tabs) on http://HOST:PORT.")
     add_webui_arguments(webui).set_defaults(handler=_lazy("cluster.webui.server", "run_webui"))
 
+    add_webchat_arguments(commands.add_parser("webchat", help="chat with one model in the browser (streaming)")) \
+        .set_defaults(handler=_lazy("cluster.webchat.server", "run_webchat"))
+
     env = commands.add_parser("env", help="show package versions and what Ray sees")
     env.add_argument("--local", action="store_true", help="start a temporary local Ray if no cluster is reachable")
     env.set_defaults(handler=_env)
@@ -168,7 +172,7 @@ def _train(args: argparse.Namespace) -> int:
         from .finished_run import finished_run
 
         finished = finished_run(config)  # before the console appends to the run's log: nothing is touched
-        if finished is not None:
+        if finished is not None and not config.training.values.get("do_predict"):
             print(f"rayfactory: {finished}")
             return 0
 

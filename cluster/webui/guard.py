@@ -25,6 +25,19 @@ def allowed_hosts(host: str, extra: Iterable[str]) -> frozenset[str]:
     return frozenset(names)
 
 
+def refuse_open_host(host: str, token: str | None, what: str, harm: str, port: int, env: str) -> None:
+    """A server bound beyond loopback without an access token is refused before it starts: anyone
+    who reaches the port could ``harm`` (start jobs, use the model)."""
+    from registries.errors import UserError
+
+    if host in LOOPBACK or token:
+        return
+    raise UserError(
+        f"--host {host} opens {what} to other machines, and anyone who reaches it can {harm}. Set an access "
+        f"token (--token or {env}) and open the page with ?token=<it>, or keep the default --host 127.0.0.1 "
+        f"(and forward the port: ssh -L {port}:localhost:{port}).")
+
+
 def _host_name(value: str) -> str:
     """The name of a Host header or URL authority: no port, no IPv6 brackets, lower case."""
     value = value.strip().lower()

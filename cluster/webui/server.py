@@ -9,7 +9,6 @@ server binds to 127.0.0.1 unless told otherwise; anywhere else it wants an acces
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import os
 import threading
@@ -23,6 +22,8 @@ from registries.errors import ArgumentError, UserError, find_user_error
 
 from . import form
 from . import guard
+from .bodies import chat_request, json_kind as _json_kind, json_object as _json_object, number as _number, \
+    text as _text
 from .guard import LOOPBACK, TOKEN_HEADER, WILDCARDS  # noqa: F401 (TOKEN_HEADER: the page's header, by its old address)
 from .paths import check_config, confine
 from .preview import SHOWN_ROWS
@@ -167,10 +168,7 @@ def create_app(share_dir: str, token: str | None = None, job_address: str | None
 
     @app.post("/api/chat")
     def chat(body: dict = Json):
-        settings = {key: _number(body, key, low, high, integer=key == "max_new_tokens")
-                    for key, (low, high) in CHAT_SETTINGS.items()}
-        messages = _messages(body)
-        system = _text(body, "system", "") or None
+        messages, system, settings = chat_request(body)
         model = chats.get(_model_keys(body, roots))
         pieces = model.stream_chat(messages, system, **settings)
         first = next(pieces, None)  # a mistake in the request is a 400 now, not an error inside a 200 stream
@@ -193,60 +191,7 @@ def create_app(share_dir: str, token: str | None = None, job_address: str | None
 
 MAX_YAML_CHARS = 1_000_000
 MAX_PREVIEW_ROWS = 50
-MAX_MESSAGES = 500
-CHAT_SETTINGS = {"temperature": (0.0, 10.0), "top_p": (0.0, 1.0), "max_new_tokens": (1, 32768)}
 SCALARS = (str, int, float, bool, type(None))
-
-
-async def _json_object(request: Request) -> dict[str, Any]:
-    """A request's body: a JSON object, else a 400 that says what came instead."""
-    try:
-        body = json.loads(await request.body())
-    except (ValueError, RecursionError):  # not JSON, not UTF-8, or nested past reason
-        raise UserError("the request body must be a JSON object; this one is not JSON.") from None
-    if not isinstance(body, dict):
-        raise UserError(f"the request body must be a JSON object, not a JSON {_json_kind(body)}.")
-    return body
-
-
-def _json_kind(value: Any) -> str:
-    return {dict: "object", list: "array", str: "string", bool: "boolean", type(None): "null"}.get(
-        type(value), "number")
-
-
-def _text(body: dict[str, Any], key: str, default: Any, limit: int = 100_000) -> Any:
-    """``body[key]``: a string (at most ``limit`` characters), or ``default`` when absent or null."""
-    value = body.get(key)
-    if value is None:
-        return default
-    if not isinstance(value, str):
-        raise ArgumentError(key, f"{key} must be a string, not a JSON {_json_kind(value)}.")
-    if len(value) > limit:
-        raise ArgumentError(key, f"{key} is longer than {limit} characters.")
-    return value
-
-
-def _number(body: dict[str, Any], key: str, low: float, high: float, integer: bool = False) -> Any:
-    """``body[key]`` as a number in [low, high] (a numeric string counts: the page sends its inputs'
-    text), or None when absent or blank."""
-    value = body.get(key)
-    if value is None or (isinstance(value, str) and not value.strip()):
-        return None
-    kind = "an integer" if integer else "a number"
-    number = None
-    if isinstance(value, (int, float)) and not isinstance(value, bool):
-        number = value
-    elif isinstance(value, str) and len(value) < 40:
-        try:
-            number = float(value)
-        except ValueError:
-            pass
-    if number is None or (isinstance(number, float) and not math.isfinite(number)) or (
-            integer and number != int(number)):
-        raise ArgumentError(key, f"{key} must be {kind} from {low} to {high}, not {value!r:.60}.")
-    if not low <= number <= high:
-        raise ArgumentError(key, f"{key} must be {kind} from {low} to {high}, not {number}.")
-    return int(number) if integer else float(number)
 
 
 def _form_parts(body: dict[str, Any]) -> tuple[dict[str, Any], str]:
@@ -280,20 +225,6 @@ def _yaml_path(path: str) -> str:
     if not path.endswith((".yaml", ".yml")):
         raise UserError(f"{path} is not a .yaml or .yml file; the web UI reads and writes only those.")
     return path
-
-
-def _messages(body: dict[str, Any]) -> list[dict[str, str]]:
-    from registries.templates.template import ROLES
-
-    messages = body.get("messages")
-    shape = "a non-empty list of {role, content} turns (strings) ending on a user turn"
-    if not isinstance(messages, list) or not 0 < len(messages) <= MAX_MESSAGES:
-        raise ArgumentError("messages", f"messages must be {shape}, at most {MAX_MESSAGES}.")
-    for i, m in enumerate(messages):
-        if not (isinstance(m, dict) and isinstance(m.get("content"), str) and m.get("role") in ROLES):
-            raise ArgumentError("messages", f"messages[{i}] must be {{role, content}} with a role of "
-                                            f"{', '.join(ROLES)} and the content a string.")
-    return [{"role": m["role"], "content": m["content"]} for m in messages]
 
 
 def _model_keys(body: dict[str, Any], roots: tuple[str, ...]) -> dict[str, Any]:
@@ -369,12 +300,8 @@ def add_webui_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
 def run_webui(args: argparse.Namespace) -> int:
     import uvicorn
 
-    if args.host not in LOOPBACK and not args.token:
-        raise UserError(
-            f"--host {args.host} opens the web UI to other machines, and anyone who reaches it can start jobs and "
-            "read files. Set an access token (--token or RAYFACTORY_WEBUI_TOKEN) and open the page with "
-            "?token=<it>, or keep the default --host 127.0.0.1 (and forward the port: ssh -L 7860:localhost:7860)."
-        )
+    guard.refuse_open_host(args.host, args.token, "the web UI", "start jobs and read files", args.port,
+                           "RAYFACTORY_WEBUI_TOKEN")
     app = create_app(args.share_dir, args.token, args.address, host=args.host, allowed_hosts=args.allow_host)
     suffix = f"/?token={args.token}" if args.token else "/"
     print(f"rayfactory webui: http://{args.host}:{args.port}{suffix}  (Ctrl-C stops the UI; started runs go on)",

@@ -38,6 +38,9 @@ def test_template_auto_is_resolved_once_and_pinned(ray_session, sft_config, tmp_
 
     cfg = load_config(sft_config(model_name_or_path=str(model), template="auto", max_steps=2))
     result = run_exp(cfg)
-    assert cfg.job_spec().data.template == "qwen"  # the spec every worker was handed
+    assert cfg.data.template == "auto"  # the loaded config is not changed: the driver pins a copy
     with open(os.path.join(result.output_dir, "rayfactory_config.yaml"), encoding="utf-8") as f:
         assert yaml.safe_load(f)["template"] == "qwen"
+    # what the workers trained with: the output's tokenizer carries that template's Jinja form
+    trained = load_tokenizer(result.output_dir)
+    assert trained.chat_template == to_jinja(get_template("qwen"), trained)
