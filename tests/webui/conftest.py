@@ -8,6 +8,7 @@ test-artifacts/webui/ (or $RAYFACTORY_TEST_ARTIFACTS/webui).
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import subprocess
@@ -28,6 +29,47 @@ ARTIFACTS = os.path.join(os.environ.get("RAYFACTORY_TEST_ARTIFACTS") or os.path.
 SERVER_START_TIMEOUT_S = 90
 
 
+@contextlib.contextmanager
+def cli_server(args: list[str], cwd, probe: str, timeout: float):
+    """`rayfactory <args> --port P` in a subprocess in ``cwd``, without the caller's Ray settings;
+    its URL once ``probe`` answers. Its output goes to cwd/<command>.log, quoted if it does not start."""
+    port = free_port()
+    env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_")}
+    env["PYTHONPATH"] = REPO_ROOT
+    log_path = os.path.join(cwd, f"{args[0]}.log")
+    with open(log_path, "w") as log:
+        process = subprocess.Popen([sys.executable, "-m", "cluster.cli", *args, "--port", str(port)],
+                                   cwd=cwd, env=env, stdout=log, stderr=subprocess.STDOUT)
+        url = f"http://127.0.0.1:{port}"
+        deadline = time.time() + timeout
+        while True:
+            try:
+                urllib.request.urlopen(url + probe, timeout=5)
+                break
+            except OSError:
+                if process.poll() is not None or time.time() > deadline:
+                    process.kill()
+                    with open(log_path, encoding="utf-8") as f:
+                        raise RuntimeError(f"rayfactory {args[0]} did not start:\n{f.read()[-3000:]}")
+                time.sleep(0.5)
+        try:
+            yield url
+        finally:
+            process.terminate()
+            process.wait(timeout=30)
+
+
+def wait_for(condition, timeout: float, what: str = "the page", poll: float = 0.3):
+    """``condition()``'s first truthy value, asked every ``poll`` seconds; AssertionError after ``timeout``."""
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        value = condition()
+        if value:
+            return value
+        time.sleep(poll)
+    raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+
+
 @pytest.fixture(scope="session")
 def webui(tmp_path_factory):
     """(url, share_dir, cwd) of a running `rayfactory webui`; its Ray head is stopped at the end.
@@ -35,26 +77,8 @@ def webui(tmp_path_factory):
     cwd = tmp_path_factory.mktemp("webui-cwd")
     shutil.copytree(os.path.join(REPO_ROOT, "data"), cwd / "data")
     share = cwd / "share"
-    port = free_port()
-    env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_")}
-    env["PYTHONPATH"] = REPO_ROOT
-    log = open(cwd / "webui.log", "w")
-    process = subprocess.Popen(
-        [sys.executable, "-m", "cluster.cli", "webui", "--port", str(port), "--share-dir", str(share)],
-        cwd=cwd, env=env, stdout=log, stderr=subprocess.STDOUT)
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.time() + SERVER_START_TIMEOUT_S
-    while True:
-        try:
-            urllib.request.urlopen(url + "/api/spec", timeout=5)
-            break
-        except OSError:
-            if process.poll() is not None or time.time() > deadline:
-                raise RuntimeError(f"rayfactory webui did not start:\n{(cwd / 'webui.log').read_text()[-3000:]}")
-            time.sleep(0.5)
-    yield url, str(share), str(cwd)
-    process.terminate()
-    process.wait(timeout=30)
+    with cli_server(["webui", "--share-dir", str(share)], cwd, "/api/spec", SERVER_START_TIMEOUT_S) as url:
+        yield url, str(share), str(cwd)
     head = Head.load(os.path.join(share, "ray-head.json"))
     if head is not None:
         stop_head(head)

@@ -7,8 +7,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 import time
 import urllib.request
 
@@ -16,10 +14,10 @@ import pytest
 import yaml
 from selenium.webdriver.common.by import By
 
-from cluster.local_head import free_port
 from tests.inference.conftest import BASE, TEMPLATE, make_adapter_output
+from tests.webui.conftest import cli_server
+from tests.webui.conftest import wait_for as conftest_wait_for
 
-REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 START_TIMEOUT_S = 120
 REPLY_TIMEOUT_S = 120
 MAX_NEW_TOKENS = 24  # the config's: the greedy check's reply length
@@ -47,27 +45,8 @@ def long_talker(tmp_path_factory):
 def serve(root, config):
     path = root / "chat.yaml"
     path.write_text(yaml.safe_dump(config))
-    port = free_port()
-    env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_")}
-    env["PYTHONPATH"] = REPO_ROOT
-    log = open(root / "webchat.log", "w")
-    process = subprocess.Popen([sys.executable, "-m", "cluster.cli", "webchat", str(path), "--port", str(port)],
-                               cwd=root, env=env, stdout=log, stderr=subprocess.STDOUT)
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.time() + START_TIMEOUT_S
-    while True:
-        try:
-            urllib.request.urlopen(url + "/api/info", timeout=5)
-            break
-        except OSError:
-            if process.poll() is not None or time.time() > deadline:
-                process.kill()
-                raise RuntimeError(f"rayfactory webchat did not start:\n{(root / 'webchat.log').read_text()[-3000:]}")
-            time.sleep(0.5)
-    yield url, config
-    process.terminate()
-    process.wait(timeout=30)
-    log.close()
+    with cli_server(["webchat", str(path)], root, "/api/info", START_TIMEOUT_S) as url:
+        yield url, config
 
 
 @pytest.fixture(scope="module")
@@ -81,13 +60,7 @@ def reference(webchat):
 
 
 def wait_for(condition, timeout=REPLY_TIMEOUT_S, what="the page"):
-    deadline = time.time() + timeout
-    while time.time() < deadline:
-        value = condition()
-        if value:
-            return value
-        time.sleep(0.05)
-    raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+    return conftest_wait_for(condition, timeout, what, poll=0.05)
 
 
 def open_page(browser, url):

@@ -15,6 +15,7 @@ from selenium.webdriver.support.ui import Select
 
 from cluster.config import ConfigError, load_config
 from cluster.webui.form import parse_yaml
+from tests.webui import conftest
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 DATA_DIR = os.path.join(REPO_ROOT, "data")
@@ -24,13 +25,7 @@ RUN_TIMEOUT_S = 420
 
 
 def wait_for(condition, timeout=UI_TIMEOUT_S, what="the page"):
-    deadline = time.time() + timeout
-    while time.time() < deadline:
-        value = condition()
-        if value:
-            return value
-        time.sleep(0.3)
-    raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+    return conftest.wait_for(condition, timeout, what)
 
 
 def open_board(browser, url):
