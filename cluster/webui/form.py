@@ -288,7 +288,7 @@ def validate(config: dict[str, Any]) -> dict[str, str] | None:
         try:
             get_dataset_attrs(getattr(cfg.data, key), cfg.data.dataset_dir)
         except UserError as exc:
-            return {"key": key, "message": f"{key}: {exc}"}
+            return {"key": key, "message": str(exc)}  # the CLI's paragraph; the page shows it at the field
     try:  # the driver's own data checks: a dataset is set, fits the stage, its files exist
         check_data(cfg.data, cfg.job_spec().stage)
     except UserError as exc:

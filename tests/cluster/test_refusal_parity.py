@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import os
 import sys
 from types import SimpleNamespace
 
@@ -132,3 +133,26 @@ def test_nothing_changes_the_config_after_load_config(config_file, monkeypatch):
         run_exp(cfg)
     assert seen["template"] == "qwen"  # the run got the pinned name ...
     assert _snapshot(cfg) == before  # ... and the config it was handed is unchanged
+
+
+DATA_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "data")
+BAD_DATA = {
+    "an unknown eval dataset": ({"eval_dataset": "no_such_eval"}, "Dataset 'no_such_eval' is not defined"),
+    "an unknown dataset": ({"dataset": "no_such_data"}, "Dataset 'no_such_data' is not defined"),
+}
+
+
+@pytest.mark.parametrize("name", list(BAD_DATA))
+def test_the_data_checks_refuse_with_the_same_paragraph_in_the_cli_run_exp_and_the_web_ui(name, config_file, capsys):
+    """What the driver checks before Ray starts (datasets, files): `submit` leaves it to the job,
+    whose machine has the data; every path that runs here says the same paragraph."""
+    extra, expected = BAD_DATA[name]
+    config = {"model_name_or_path": "tiny:qwen2", "template": "qwen", "dataset": "arith_train",
+              "dataset_dir": DATA_DIR, "output_dir": "out", **extra}
+    path = config_file(config)
+    assert cli_main(["train", path]) == 2
+    cli = _only_line(capsys.readouterr().err, "rayfactory: error: ")
+    with pytest.raises(Exception) as refused:
+        run_exp(path)
+    assert expected in cli and str(refused.value) == cli
+    assert validate(dict(config))["message"] == cli
