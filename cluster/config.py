@@ -35,12 +35,13 @@ from stages.run_args import (
     trainer_fields,
 )
 from stages.job import JobSpec
+from stages.tracking import default_run_name
 from stages.inference.inference_args import ExportArguments, InferenceArguments
 from stages.inference.loading import InferenceSpec
 from stages.rl.rl_args import RLArguments
 
 from .config_types import ConfigError, bool_word, coerce_key
-from .extras import check_extras
+from .extras import check_extras, check_report_to
 from .lf_compat import apply_lf_compat
 from .paths import resolve_paths
 from .rl_checks import check_rl
@@ -49,7 +50,7 @@ from .training_checks import (
     check_planned_work,
     check_streaming,
     check_template,
-    check_trainer_checkpoint,
+    resolve_explicit_checkpoint,
     check_training_options,
     read_deepspeed_config,
 )
@@ -381,18 +382,12 @@ def _check_and_resolve(run: RunConfig, where: typing.Callable[[str], str], purpo
                 f"group: {'; '.join(needs)}. Remove train_in_driver (the default trains in the driver wherever it "
                 "can) or set it to false."
             )
-    resume = training.get("resume_from_checkpoint")
-    # "auto" (the latest complete checkpoint in output_dir) stays as it is: it is resolved at launch,
-    # since output_dir may only get its checkpoints after this config was read (a rerun of a died run).
-    if isinstance(resume, str) and resume != "auto" and local:
-        if not os.path.isdir(resume):
-            raise ConfigError(
-                f"resume_from_checkpoint {resume!r} in {where('resume_from_checkpoint')} does not exist "
-                f"(looked for {os.path.abspath(resume)}). Point it at a checkpoint folder, or remove it."
-            )
-        training["resume_from_checkpoint"] = os.path.abspath(resume)
-        check_trainer_checkpoint(training["resume_from_checkpoint"], where, stage.checkpoint_kind)  # one protocol
-    training.setdefault("report_to", "none")
+    if local:
+        resolve_explicit_checkpoint(training, where, stage.checkpoint_kind)
+    trackers = check_report_to(training.get("report_to", "none"), where, local)
+    training["report_to"] = trackers or "none"
+    if trackers:  # LLaMA-Factory's key; the trackers' run list shows it (stages/tracking.py)
+        training.setdefault("run_name", default_run_name(training["output_dir"]))
     if local:
         check_extras({"deepspeed": training.get("deepspeed"), "quantization_bit": model.quantization_bit,
                       "rollout_backend": is_rl and run.rl.rollout_backend == "vllm"}, where)

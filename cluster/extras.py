@@ -9,6 +9,8 @@ from __future__ import annotations
 import importlib.util
 from typing import Callable
 
+from stages.tracking import TRACKERS, report_targets
+
 from .config_types import ConfigError
 
 # option -> (module it imports, pyproject extra that installs it, the other way out)
@@ -36,3 +38,30 @@ def check_extras(options: dict[str, object], where: Callable[[str], str]) -> Non
                 f"Install RayFactory's {extra!r} extra (pip install -e '.[{extra}]' in the RayFactory folder), "
                 f"{alternative}."
             )
+
+
+def check_report_to(report_to: object, where: Callable[[str], str], local: bool = True) -> list[str]:
+    """report_to's trackers as a list ("all": those installed, as the Trainer reads it; "none": []),
+    each one RayFactory supports and, where this machine runs the job, installed."""
+    names = report_targets(report_to)
+    if "all" in names:
+        return [name for name, module in TRACKERS.items() if installed(module)]
+    for name in names:
+        if name == "swanlab":
+            raise ConfigError(
+                f"report_to: swanlab in {where('report_to')} is not supported: the swanlab package pins "
+                "protobuf below 7, which breaks the vllm extra's gRPC packages in the same environment. Use "
+                "report_to: tensorboard, mlflow or wandb (offline: WANDB_MODE=offline), or remove report_to."
+            )
+        if name not in TRACKERS:
+            raise ConfigError(
+                f"report_to: {name} in {where('report_to')} is not a tracker RayFactory reports to. Use "
+                f"{', '.join(TRACKERS)}, a list of them, all or none."
+            )
+        if local and not installed(TRACKERS[name]):
+            raise ConfigError(
+                f"report_to: {name} in {where('report_to')} needs the Python package {TRACKERS[name]!r}, which "
+                "is not installed here. Install RayFactory's 'tracking' extra (pip install -e '.[tracking]' in "
+                "the RayFactory folder), or remove report_to."
+            )
+    return list(dict.fromkeys(names))

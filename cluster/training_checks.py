@@ -112,10 +112,20 @@ def check_streaming(stage_name: str, launch: str, values: dict, where: typing.Ca
         )
 
 
-def check_trainer_checkpoint(path: str, where: typing.Callable[[str], str], kind: str | None = None) -> None:
-    """An explicit ``resume_from_checkpoint`` must be a committed checkpoint (stages/training/checkpoints.py
-    ``check_resumable``, the check every stage's resolver makes at launch too), refused here before
-    any work. ``auto`` is resolved at launch: output_dir may only get its checkpoints later."""
+def resolve_explicit_checkpoint(training: dict, where: typing.Callable[[str], str], kind: str | None = None) -> None:
+    """An explicit ``resume_from_checkpoint`` becomes an absolute path and must be a committed checkpoint
+    of the run's kind (stages/training/checkpoints.py ``check_resumable``, the check every stage's
+    resolver makes at launch too), refused here before any work. "auto" stays as it is: it is
+    resolved at launch, since output_dir may only get its checkpoints later (a rerun of a died run)."""
+    resume = training.get("resume_from_checkpoint")
+    if not isinstance(resume, str) or resume == "auto":
+        return
+    if not os.path.isdir(resume):
+        raise ConfigError(
+            f"resume_from_checkpoint {resume!r} in {where('resume_from_checkpoint')} does not exist "
+            f"(looked for {os.path.abspath(resume)}). Point it at a checkpoint folder, or remove it."
+        )
+    path = training["resume_from_checkpoint"] = os.path.abspath(resume)
     try:
         check_resumable(path, place=where("resume_from_checkpoint"), kind=kind)
     except ResumeError as exc:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import uuid
 from dataclasses import dataclass, field
@@ -10,6 +11,7 @@ from typing import TYPE_CHECKING, Optional
 import ray.train
 
 from stages.job import JobSpec
+from stages.tracking import config_callback, driver_env, tracker_env
 
 if TYPE_CHECKING:
     from transformers import TrainerCallback
@@ -34,6 +36,7 @@ class WorkerPayload:
     whole_node: bool = False  # a lone CPU worker with no stream beside it: it may use every core
     in_driver: bool = False  # Ray Train's local mode: train_loop runs in the driver (fabric/train_in_driver.py)
     memory: Optional[float] = None  # in the driver: resources_per_worker's memory (bytes), which no Ray resource holds
+    tracker_settings: dict = field(default_factory=driver_env)  # filled where the payload is made: the driver
 
 
 def train_loop(config: dict) -> None:
@@ -59,6 +62,11 @@ def train_loop(config: dict) -> None:
     elif ray.train.get_context().get_world_size() == 1:
         _train_as_one_process()
     training_args = spec.training_arguments(use_cpu=payload.use_cpu)
+    # report_to: the Trainer's integrations skip logging on other ranks but still import their
+    # libraries and (wandb) start processes there; rank 0 alone reports.
+    reporting = bool(training_args.report_to) and ray.train.get_context().get_world_rank() == 0
+    if not reporting:
+        training_args.report_to = []
     set_seed(training_args.seed)  # the stage builds the model (LoRA init) before the Trainer seeds
 
     def receive_data():
@@ -72,13 +80,15 @@ def train_loop(config: dict) -> None:
         training_args=training_args,
         train_dataset=None,
         receive_data=receive_data,
-        callbacks=[_report_callback(in_place=payload.in_driver), *payload.callbacks],
+        callbacks=[_report_callback(in_place=payload.in_driver), *payload.callbacks,
+                   *([config_callback(spec)] if reporting else [])],
         resume_from_checkpoint=_resume_point(training_args.resume_from_checkpoint, training_args.output_dir),
         prepare_trainer=lambda trainer: feed_streamed_shards(prepare_trainer(trainer)),
         memory_budget=_memory_budget(payload),
         notes=_console_notes(payload.callbacks),
     )
-    metrics = spec.stage.load_runner()(job)
+    with tracker_env(training_args.output_dir, payload.tracker_settings) if reporting else contextlib.nullcontext():
+        metrics = spec.stage.load_runner()(job)
     if not payload.in_driver:  # local mode's result is the last report whole: it would lose the checkpoint's
         ray.train.report({k: v for k, v in metrics.items() if isinstance(v, (int, float))})
 

@@ -21,6 +21,7 @@ from stages.training.checkpoints import commit_checkpoint, staging_folder, uncom
 from . import checkpoint as ckpt
 from .roles import PromptRow, RLRun
 from .steplog import PhaseTimer, StepLog, write_results
+from .trackers import StepReporter
 from ..engines.types import Completion, SamplingSpec
 from .types import RolloutSample
 
@@ -54,6 +55,7 @@ class RunProgress:
                                "schedule continues from the saved one", self.state.get("total_steps"), total_steps)
         uncommit_after(self.output_dir, self.start_step, kind="rl")  # a replaced run's: auto must not pick them up
         self.log = StepLog(self.output_dir, total_steps, append=bool(run.resume_from))
+        self.reporter = StepReporter(run.spec)  # report_to: each log record also goes to the trackers
         save_every = options.save_steps if options.save_strategy not in ("no", "epoch") else 0
         self.save_every = every(save_every, total_steps)
         self.log_every = every(options.logging_steps, total_steps) or 1
@@ -113,10 +115,12 @@ class RunProgress:
         results = {"total_steps": self.total_steps, "train_runtime": round(time.time() - self.started, 3),
                    **{f"before_{k}": v for k, v in self.first_eval.items()}, **final}
         write_results(self.output_dir, results)
+        self.reporter.close()
         return results
 
     def emit(self, step: int, values: dict) -> dict:
         record = self.log.write(step, values)
+        self.reporter.log(record)
         if self.run.on_log is not None:
             self.run.on_log(record)
         return record
