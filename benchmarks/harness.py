@@ -75,6 +75,7 @@ class TreeMemorySampler(threading.Thread):
         super().__init__(daemon=True)
         self.pid = pid
         self.peak_rss = self.peak_pss = 0
+        self.peak_process_rss = 0  # the largest one process's RSS: where training runs (a worker, or the driver)
         self._halt = threading.Event()
 
     def run(self):
@@ -94,6 +95,7 @@ class TreeMemorySampler(threading.Thread):
                 try:
                     info = proc.memory_full_info()
                     rss, pss = rss + info.rss, pss + getattr(info, "pss", info.rss)
+                    self.peak_process_rss = max(self.peak_process_rss, info.rss)
                 except psutil.Error:
                     pass
             self.peak_rss, self.peak_pss = max(self.peak_rss, rss), max(self.peak_pss, pss)

@@ -49,6 +49,7 @@ def train_loop(config: dict) -> None:
     from .ray_session import quiet_ray_data
     from .data.streamed_shard import feed_streamed_shards
     from .threads import set_torch_threads
+    from stages.training.cpu_precision import bf16_note
 
     payload: WorkerPayload = config["payload"]  # put in the object store by launch_training; in the driver, itself
     if isinstance(payload, ray.ObjectRef):
@@ -87,6 +88,9 @@ def train_loop(config: dict) -> None:
         memory_budget=_memory_budget(payload),
         notes=_console_notes(payload.callbacks),
     )
+    note = bf16_note(bool(spec.training.values.get("bf16")), payload.use_cpu)
+    if note:
+        job.notes.append(note)
     with tracker_env(training_args.output_dir, payload.tracker_settings) if reporting else contextlib.nullcontext():
         metrics = spec.stage.load_runner()(job)
     if not payload.in_driver:  # local mode's result is the last report whole: it would lose the checkpoint's

@@ -48,6 +48,8 @@ class JobSpec:
 
     def training_arguments(self, use_cpu: bool) -> "Seq2SeqTrainingArguments":
         """The real trainer arguments, built where training runs (it sets up devices)."""
+        from stages.training.cpu_precision import bf16_note
+
         overrides = {"use_cpu": True} if use_cpu else {}
         # The Trainer's own rotation counts half-written folders and may delete the last good
         # checkpoint for one; CommitCheckpoints (build_trainer) rotates committed ones by the
@@ -58,6 +60,8 @@ class JobSpec:
             # reaches the log file, and each redraw wakes Ray's log pipe and the driver (9% of a
             # 9M model's training speed on 2 cores, benchmarks/README.md).
             overrides["disable_tqdm"] = True
+        if bf16_note(bool(self.training.values.get("bf16")), use_cpu):
+            overrides["bf16"] = False  # emulated bfloat16 is slower than float32 (stages/training/cpu_precision.py)
         if self.stage.keeps_extra_columns:
             # The Trainer keeps only columns forward() names; this stage's collator needs the rest.
             overrides["remove_unused_columns"] = False

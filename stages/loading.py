@@ -99,10 +99,14 @@ def _quantization_config(model_args):
     return BitsAndBytesConfig(load_in_8bit=True)
 
 
-def model_dtype(model_args, training_args=None):
+def model_dtype(model_args, training_args=None, finetuning_type: str = "lora"):
+    """The torch dtype weights load in (stages/training/cpu_precision.py: what bf16 means on a CPU worker)."""
+    from stages.training.cpu_precision import training_load_dtype
+
     bf16 = bool(getattr(training_args, "bf16", False))
     fp16 = bool(getattr(training_args, "fp16", False))
-    return _DTYPES[model_args.load_dtype(bf16, fp16)]
+    use_cpu = bool(getattr(training_args, "use_cpu", False))
+    return _DTYPES[training_load_dtype(model_args, finetuning_type, bf16, fp16, use_cpu)]
 
 
 def check_model_fits(model_args, finetuning_args) -> None:
@@ -136,7 +140,7 @@ def load_model(model_args, finetuning_args, tokenizer, training_args=None, is_tr
     from transformers import AutoModelForCausalLM
 
     kwargs = dict(
-        dtype=model_dtype(model_args, training_args),
+        dtype=model_dtype(model_args, training_args, finetuning_args.finetuning_type),
         trust_remote_code=model_args.trust_remote_code,
         revision=model_args.model_revision,
         cache_dir=model_args.cache_dir,

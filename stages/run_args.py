@@ -93,10 +93,14 @@ class FinetuningArguments:
     reward_model_adapters: list[str] | None = None
     reward_model_type: Literal["lora", "full", "api"] = "lora"
     plot_loss: bool = False
-    # RayFactory's own, pt/sft: the cross-entropy in chunks of tokens, each chunk's logits recomputed in
-    # the backward instead of kept (stages/training/chunked_loss.py). null: on from a 32768-token vocabulary.
+    # RayFactory's own, pt/sft (the cross-entropy) and dpo/kto (the summed log-probs): the output head
+    # in chunks of tokens, each chunk's logits recomputed in the backward instead of kept
+    # (stages/training/chunked_loss.py). null: on from a 32768-token vocabulary.
     chunked_loss: bool | None = None
     chunked_loss_tokens: int | None = None  # tokens per chunk; null: ~256 MiB of fp32 logits per chunk
+    # TRL's name: the reference's log-probs computed in one pass before training, a separate
+    # reference model then freed (stages/training/reference_logps.py). null: planned per run.
+    precompute_ref_log_probs: bool | None = None
 
     def __post_init__(self) -> None:
         try:
@@ -137,11 +141,17 @@ class FinetuningArguments:
                 f"chunked_loss_tokens must be at least 1, got {self.chunked_loss_tokens}. Remove it for the "
                 "automatic size (~256 MiB of fp32 logits per chunk).",
             )
-        if self.chunked_loss and not self.spec.causal_lm_loss:
+        if self.chunked_loss and not self.spec.chunks_logits:
             raise ArgumentError(
                 "chunked_loss",
-                f"chunked_loss chunks the causal-LM loss of stages pt and sft, but stage is {self.stage!r}, whose "
-                "loss is its own. Remove chunked_loss.",
+                f"chunked_loss applies the output head in chunks of tokens in stages {stages_where('chunks_logits')}, "
+                f"but stage is {self.stage!r}, whose loss reads no token logits. Remove chunked_loss.",
+            )
+        if self.precompute_ref_log_probs and not (self.spec.token_logps and self.spec.needs_reference(self)):
+            raise ArgumentError(
+                "precompute_ref_log_probs",
+                f"precompute_ref_log_probs computes a reference model's log-probs before training, but this run has "
+                f"no reference (stage {self.stage!r}, pref_loss {self.pref_loss!r}). Remove precompute_ref_log_probs.",
             )
         for name in ("use_rslora", "use_dora"):
             if getattr(self, name) and self.finetuning_type != "lora":

@@ -117,6 +117,9 @@ class StageSpec:
     needs_reference: Callable[..., bool] = _never  # (FinetuningArguments) -> bool
     # The recipe trains on the model's own causal-LM loss, which chunked_loss can chunk.
     causal_lm_loss: bool = False
+    # The recipe sums labelled tokens' log-probs (stages/training/sequence_logps.py): chunked_loss
+    # applies the head in chunks there too.
+    token_logps: bool = False
     takes_pref_loss: bool = False  # pref_loss (sigmoid, hinge, ipo, orpo, simpo) picks this stage's objective
     # do_predict: generated_predictions.jsonl and its BLEU/ROUGE after training (answers to compare with).
     predicts: bool = False
@@ -133,6 +136,11 @@ class StageSpec:
             raise ValueError(f"stage {self.name!r}: {self.tokenize} examples cannot be packed")
         if (self.rl is not None) != (self.launch == "rl_controller"):
             raise ValueError(f"stage {self.name!r}: an RLSpec is given exactly for launch rl_controller")
+
+    @property
+    def chunks_logits(self) -> bool:
+        """Whether chunked_loss means anything here: the causal-LM loss, or summed token log-probs."""
+        return self.causal_lm_loss or self.token_logps
 
     @property
     def checkpoint_kind(self) -> str:
@@ -212,18 +220,19 @@ register_stage(StageSpec(
 ))
 register_stage(StageSpec(
     "rm", "reward model: a value head trained on preference pairs",
-    dataset_need="ranking", tokenize="pairwise", collator="training.collators:pairwise_collator",
+    dataset_need="ranking", tokenize="pairwise", collator="training.preference_collators:pairwise_collator",
     runner="recipes.rm:run_rm", keeps_extra_columns=True, scores=True,
 ))
 register_stage(StageSpec(
     "dpo", "direct preference optimisation (pref_loss: sigmoid, hinge, ipo, orpo, simpo)",
-    dataset_need="ranking", tokenize="pairwise", collator="training.collators:pairwise_collator",
+    dataset_need="ranking", tokenize="pairwise", collator="training.preference_collators:pairwise_collator",
     runner="recipes.dpo:run_dpo", keeps_extra_columns=True, needs_reference=_dpo_reference, takes_pref_loss=True,
+    token_logps=True,
 ))
 register_stage(StageSpec(
     "kto", "Kahneman-Tversky optimisation on answers labelled good or bad",
-    dataset_need="kto_tag", tokenize="feedback", collator="training.collators:kto_collator",
-    runner="recipes.kto:run_kto", keeps_extra_columns=True, needs_reference=_always,
+    dataset_need="kto_tag", tokenize="feedback", collator="training.preference_collators:kto_collator",
+    runner="recipes.kto:run_kto", keeps_extra_columns=True, needs_reference=_always, token_logps=True,
 ))
 register_stage(StageSpec(
     "grpo", "GRPO: groups of sampled answers scored by reward functions; policy and vLLM rollouts as Ray actors",

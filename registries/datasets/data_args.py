@@ -33,8 +33,9 @@ class DataArguments:
     val_size: float = 0.0  # a fraction in (0, 1) or a row count >= 1
     packing: bool | None = None  # None: the stage decides (pt packs, the others do not)
     neat_packing: bool = False
-    # RayFactory's own: pt/sft batches laid end to end with restarting position ids instead of
-    # padded (the same gradient, no compute on pads). null: on where the model supports it.
+    # RayFactory's own: training batches (pt, sft, rm, dpo, kto) laid end to end with restarting
+    # position ids instead of padded (the same gradient, no compute on pads). null: on where the
+    # model supports it.
     padding_free: bool | None = None
     tool_format: str | None = None
     default_system: str | None = None

@@ -9,7 +9,10 @@
 ``pref_ftx`` adds that weight times the chosen responses' average NLL (an SFT term). The formulas
 follow LLaMA-Factory's CustomDPOTrainer, which TRL 1.16 splits over three trainers; its own
 trainers also tokenize the data themselves, so this one is a thin ``transformers.Trainer`` over
-our pre-tokenized pairs: one forward pass on chosen + rejected stacked (PairwiseCollator).
+our pre-tokenized pairs: one forward pass on chosen + rejected together (PairwiseCollator: padded,
+or padding-free where the model allows), log-probs summed over the labelled tokens without the
+batch's full logits (stages/training/sequence_logps.py); the reference's may be computed before
+training (stages/training/reference_logps.py).
 tests/stages/test_pref_losses.py checks each loss against TRL's own loss functions.
 """
 
@@ -22,7 +25,9 @@ import torch.nn.functional as F
 from transformers import Trainer
 
 from stages.job import StageJob
-from stages.recipes.preference import BatchMetricsMixin, Reference, disable_dropout, forward_logps
+from stages.recipes.preference import BatchMetricsMixin, Reference, disable_dropout
+from stages.training.reference_logps import PrecomputedReferenceMixin
+from stages.training.sequence_logps import SequenceLogpsMixin
 
 LENGTH_NORMALIZED = ("ipo", "orpo", "simpo")  # these compare average, not summed, log-probs
 
@@ -78,12 +83,15 @@ def preference_loss(
     return PreferenceLoss(losses, beta * chosen_ratio.detach(), beta * rejected_ratio.detach())
 
 
-class PreferenceTrainer(BatchMetricsMixin, Trainer):
-    """The Trainer whose loss is ``preference_loss`` on a stacked [chosen; rejected] batch."""
+class PreferenceTrainer(PrecomputedReferenceMixin, SequenceLogpsMixin, BatchMetricsMixin, Trainer):
+    """The Trainer whose loss is ``preference_loss`` on a batch of [chosen; rejected] sequences
+    (padded or padding-free), log-probs summed without the full logits (sequence_logps)."""
 
     def __init__(self, *args, reference: Reference, finetuning_args, **kwargs):
-        super().__init__(*args, **kwargs)
+        super().__init__(*args, chunked_loss=finetuning_args.chunked_loss,
+                         chunked_loss_tokens=finetuning_args.chunked_loss_tokens, **kwargs)
         self.reference = reference
+        self.precompute_setting = finetuning_args.precompute_ref_log_probs
         self.loss_type = finetuning_args.pref_loss
         self.beta = finetuning_args.pref_beta
         self.ftx = finetuning_args.pref_ftx
@@ -91,15 +99,21 @@ class PreferenceTrainer(BatchMetricsMixin, Trainer):
         self.simpo_gamma = finetuning_args.simpo_gamma
         reference.prepare(self)
 
+    def reference_columns(self, model, batch) -> dict[str, torch.Tensor]:
+        """The reference's summed log-probs of a batch's pairs, as data columns (reference_logps.py)."""
+        chosen, rejected = self.reference.logps(model, lambda m: self.sequence_logps(m, batch))[0].chunk(2)
+        return {"chosen_ref_logps": chosen, "rejected_ref_logps": rejected}
+
     def batch_loss(self, model, inputs) -> tuple[torch.Tensor, dict[str, float]]:
-        ids, mask, labels = inputs["input_ids"], inputs["attention_mask"], inputs["labels"]
-        logps, lengths = forward_logps(model, ids, mask, labels)
+        logps, lengths = self.sequence_logps(model, inputs)
         avg_logps = logps / lengths.clamp(min=1)
         policy = avg_logps if self.loss_type in LENGTH_NORMALIZED else logps
         chosen, rejected = policy.chunk(2)
         ref_chosen = ref_rejected = None
-        if self.reference.kind != "none":
-            ref_logps, _ = self.reference.logps(model, ids, mask, labels)
+        if "ref_logps" in inputs or self.reference.kind != "none":
+            ref_logps = inputs.get("ref_logps")
+            if ref_logps is None:
+                ref_logps, _ = self.reference.logps(model, lambda m: self.sequence_logps(m, inputs))
             ref = ref_logps / lengths.clamp(min=1) if self.loss_type in LENGTH_NORMALIZED else ref_logps
             ref_chosen, ref_rejected = ref.chunk(2)
         out = preference_loss(

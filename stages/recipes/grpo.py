@@ -1,6 +1,7 @@
 """GRPO (stage: grpo): the controller loop, one step top to bottom.
 
-    prompts -> rollouts (num_generations per prompt) -> rewards -> advantages (per prompt group)
+    prompts -> rollouts (num_generations per prompt) -> rewards [+ overlong penalty]
+    -> advantages (per prompt group; REINFORCE++: per token, whitened over the batch)
     -> [dynamic filtering] -> reference log-probs -> policy update(s) -> weight sync -> log
     -> [checkpoint]
 
@@ -18,9 +19,13 @@ import torch
 from stages.rl.algorithms import compute_advantages, loss_normalizer, uniform_groups
 from stages.rl.loop import (RunProgress, count_steps, greedy_samples, reward_columns, rollout, rollout_logprob_gap,
                       sampling_spec)
+from stages.rl.overlong import with_overlong_penalty
+from stages.rl.ppo_math import token_rewards
+from stages.rl.reinforce_pp import ESTIMATORS as REINFORCE_PP, reinforce_pp_advantages
 from stages.rl.rewards import RewardSet, load_reward_funcs
 from stages.rl.roles import RLRun
 from stages.rl.steplog import PhaseTimer
+from stages.rl.trainable import completion_mask
 from stages.engines.types import SamplingSpec
 from stages.rl.types import RolloutSample
 
@@ -42,12 +47,11 @@ def run_grpo(run: RLRun) -> dict:
                 [run.tokenizer.decode(s.completion_ids, skip_special_tokens=True) for s in samples],
                 reward_columns(batch, samples),
             )
-        reward = torch.tensor(scores.total, dtype=torch.float32)
-        advantages = compute_advantages(reward, rl.num_generations, rl.advantage_estimator, rl.scale_rewards)
-        for sample, r, a in zip(samples, scores.total, advantages.tolist()):
-            sample.reward, sample.advantage = r, a
+        raw = torch.tensor(scores.total, dtype=torch.float32)
+        reward, shaping = with_overlong_penalty(raw, samples, rl)  # trained on; raw is logged, as eval_reward
+        _set_advantages(samples, reward, rl)
         kept = _filter(samples, reward, rl) if rl.dynamic_filtering else samples
-        values = _reward_stats(reward, scores, samples, rl.num_generations)
+        values = {**_reward_stats(raw, scores, samples, rl.num_generations), **shaping}
         values["pass_rate"] = len(kept) / len(samples)
         if len(kept) >= roles.policy_size:
             values.update(_update(roles, kept, rl, sampling.temperature, timer))
@@ -55,6 +59,21 @@ def run_grpo(run: RLRun) -> dict:
             values["skipped_update"] = 1
         progress.end_step(step, values, timer, recipe_state=dict)
     return progress.finish(plot_keys=("loss", "reward", "eval_reward", "kl"))
+
+
+def _set_advantages(samples: list[RolloutSample], reward: torch.Tensor, rl) -> None:
+    """Each sample's reward and advantage: one per completion from its prompt group, or for
+    REINFORCE++ one per token (the reward on the last token, the KL being in the loss here)."""
+    if rl.advantage_estimator in REINFORCE_PP:
+        mask = completion_mask([s.completion_ids for s in samples])
+        rewards = token_rewards(reward, torch.zeros_like(mask), mask, 0.0)
+        per_token = reinforce_pp_advantages(rl.advantage_estimator, rewards, mask, rl.num_generations, rl.gamma)
+        for sample, r, row in zip(samples, reward.tolist(), per_token):
+            sample.reward, sample.token_advantages = r, row[: len(sample.completion_ids)].tolist()
+        return
+    advantages = compute_advantages(reward, rl.num_generations, rl.advantage_estimator, rl.scale_rewards)
+    for sample, r, a in zip(samples, reward.tolist(), advantages.tolist()):
+        sample.reward, sample.advantage = r, a
 
 
 def _update(roles, samples: list[RolloutSample], rl, temperature: float, timer: PhaseTimer) -> dict:

@@ -20,7 +20,9 @@ import torch
 from transformers import Trainer
 
 from stages.job import StageJob
-from stages.recipes.preference import BatchMetricsMixin, Reference, disable_dropout, forward_logps
+from stages.recipes.preference import BatchMetricsMixin, Reference, disable_dropout
+from stages.training.reference_logps import PrecomputedReferenceMixin
+from stages.training.sequence_logps import SequenceLogpsMixin
 
 
 @dataclass
@@ -69,29 +71,40 @@ def kto_loss(
 
 # ------------------------------------------------------------------------------ the trainer
 
-class KTOTrainer(BatchMetricsMixin, Trainer):
+class KTOTrainer(PrecomputedReferenceMixin, SequenceLogpsMixin, BatchMetricsMixin, Trainer):
     """``transformers.Trainer`` whose loss is KTO over the KTO collator's batches.
 
     Per batch: one forward pass of the policy on the tagged answers (with gradients), one on the
-    mismatched KL answers (without: the KL term is detached anyway), and the reference on both.
+    mismatched KL answers (without: the KL term is detached anyway), and the reference on both
+    (or its log-probs from the data: reference_logps.py).
     """
 
     def __init__(self, *args, finetuning_args, reference: Reference, **kwargs):
-        super().__init__(*args, **kwargs)
+        super().__init__(*args, chunked_loss=finetuning_args.chunked_loss,
+                         chunked_loss_tokens=finetuning_args.chunked_loss_tokens, **kwargs)
         self.finetuning_args = finetuning_args
         self.reference = reference
+        self.precompute_setting = finetuning_args.precompute_ref_log_probs
         reference.prepare(self)
+
+    def reference_columns(self, model, batch) -> dict[str, torch.Tensor]:
+        """The reference's summed log-probs of a batch's answers and KL answers, as data columns."""
+        return {
+            "ref_logps": self.reference.logps(model, lambda m: self.sequence_logps(m, batch))[0],
+            "kl_ref_logps": self.reference.logps(model, lambda m: self.sequence_logps(m, batch, "kl_"))[0],
+        }
 
     def batch_loss(self, model, inputs) -> tuple[torch.Tensor, dict[str, float]]:
         args = self.finetuning_args
         tags = inputs["kto_tags"].bool()
-        batch = (inputs["input_ids"], inputs["attention_mask"], inputs["labels"])
-        kl_batch = (inputs["kl_input_ids"], inputs["kl_attention_mask"], inputs["kl_labels"])
-        logps, lengths = forward_logps(model, *batch)
+        logps, lengths = self.sequence_logps(model, inputs)
         with torch.no_grad():
-            kl_logps, _ = forward_logps(model, *kl_batch)
-        ref_logps, _ = self.reference.logps(model, *batch)
-        ref_kl_logps, _ = self.reference.logps(model, *kl_batch)
+            kl_logps, _ = self.sequence_logps(model, inputs, "kl_")
+        if "ref_logps" in inputs:
+            ref_logps, ref_kl_logps = inputs["ref_logps"], inputs["kl_ref_logps"]
+        else:
+            reference = self.reference_columns(model, inputs)
+            ref_logps, ref_kl_logps = reference["ref_logps"], reference["kl_ref_logps"]
 
         out = kto_loss(
             logps, ref_logps, kl_logps, ref_kl_logps, tags, args.pref_beta,

@@ -10,7 +10,8 @@ The keys keep LLaMA-Factory's meaning (it runs PPO on TRL 0.9, whose conventions
 follows): ppo_epochs, ppo_buffer_size, ppo_target (adaptive KL target, starting from beta),
 ppo_score_norm, ppo_whiten_rewards. With a group estimator (advantage_estimator rloo, group_norm...)
 no critic is built: each completion's advantage comes from its score minus its KL, compared within
-its prompt's group, the same for all its tokens.
+its prompt's group, the same for all its tokens; with reinforce_plus_plus(_baseline) (OpenRLHF's
+REINFORCE++) the per-token rewards' returns are whitened over the batch instead.
 """
 
 from __future__ import annotations
@@ -23,7 +24,9 @@ import torch
 from stages.rl.algorithms import compute_advantages, kl_penalty, loss_normalizer
 from stages.rl.loop import (RunProgress, count_steps, greedy_samples, reward_columns, rollout, rollout_logprob_gap,
                       sampling_spec, split_evenly)
+from stages.rl.overlong import with_overlong_penalty
 from stages.rl.ppo_math import RunningMoments, gae, kl_controller, normalize_scores, token_rewards
+from stages.rl.reinforce_pp import ESTIMATORS as REINFORCE_PP, reinforce_pp_advantages
 from stages.rl.rewards import load_reward_funcs
 from stages.rl.roles import PPORoles, PromptRow, RLRun
 from stages.rl.steplog import PhaseTimer
@@ -58,7 +61,8 @@ def run_ppo(run: RLRun) -> dict:
         samples = rollout(run, batch, sampling, step, timer)
         with timer("reward"):
             scores, values = score(batch, samples)
-        scores_t = torch.tensor(scores, dtype=torch.float32)
+        scores_t, shaping = with_overlong_penalty(torch.tensor(scores, dtype=torch.float32), samples, rl)
+        values.update(shaping)
         if moments is not None:
             scores_t = normalize_scores(scores_t, moments, shift_mean=True)
         values.update(_experience(roles, samples, scores_t, kl_ctl.value, rl, timer))
@@ -99,6 +103,10 @@ def _experience(roles: PPORoles, samples: list[RolloutSample], scores: torch.Ten
         rewards = token_rewards(scores, kl_tok, mask, kl_coef)
         advantages, returns = gae(rewards, values_t, mask, rl.gamma, rl.lam, whiten_rewards=rl.ppo_whiten_rewards)
         stats.update(values_mean=_masked_mean(values_t, mask), returns_mean=_masked_mean(returns, mask))
+    elif rl.advantage_estimator in REINFORCE_PP:  # OpenRLHF's REINFORCE++: the KL-shaped token rewards, whitened
+        advantages = reinforce_pp_advantages(rl.advantage_estimator, token_rewards(scores, kl_tok, mask, kl_coef),
+                                             mask, rl.num_generations, rl.gamma)
+        returns = None
     else:  # a group estimator on the KL-shaped sequence reward, the same advantage on every token
         advantages = compute_advantages(scores - kl_coef * seq_kl, rl.num_generations, rl.advantage_estimator,
                                         rl.scale_rewards)[:, None] * mask

@@ -15,8 +15,9 @@ Public API (stable; stages/recipes/kto.py imports it):
   training, or an explicit ``ref_model``: a separate frozen model).
 * ``Reference.prepare(trainer)``: once the Trainer exists, put a separate reference model on the
   training device (wrapped by DeepSpeed for ZeRO-3, which shards it like the policy).
-* ``Reference.logps(policy, input_ids, attention_mask, labels) -> (logps, lengths)``: reference
-  log-probs under ``torch.no_grad()``; ``policy`` is the model the Trainer hands ``compute_loss``.
+* ``Reference.logps(policy, compute) -> (logps, lengths)``: reference log-probs under
+  ``torch.no_grad()``: ``compute(model)`` runs the batch through the reference model it is given
+  (``SequenceLogpsMixin.sequence_logps``); ``policy`` is the model the Trainer hands ``compute_loss``.
 * ``BatchMetricsMixin``: put before ``transformers.Trainer`` in a stage's Trainer that defines
   ``batch_loss(model, inputs) -> (loss, {name: float})``; it stores the metrics per batch, logs
   their means (averaged over workers) with each training log line and adds them, prefixed
@@ -48,11 +49,13 @@ import torch
 
 from registries.tokenize import IGNORE_INDEX
 
-from stages.training.collators import PairwiseCollator
+from stages.training.per_example_attention import attention_implementation, use_attention
+from stages.training.preference_collators import PairwiseCollator
 
 logger = logging.getLogger(__name__)
 
-ReferenceKind = Literal["none", "adapter_disabled", "model"]
+# "precomputed": the reference's log-probs are columns of the data (stages/training/reference_logps.py).
+ReferenceKind = Literal["none", "adapter_disabled", "model", "precomputed"]
 
 
 def sequence_logps(logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -107,6 +110,8 @@ class Reference:
         shards it like the policy; other stages keep a full copy per worker), else on the device."""
         if self.kind != "model":
             return
+        # Padding-free batches need the policy's attention (one example at a time on sdpa) here too.
+        use_attention(self.model, attention_implementation(trainer.model))
         if getattr(trainer, "is_deepspeed_enabled", False):
             from trl.models.utils import prepare_deepspeed
 
@@ -115,16 +120,17 @@ class Reference:
             self.model = self.model.to(trainer.args.device)
         self.model.eval()
 
-    def logps(self, policy, input_ids, attention_mask, labels) -> tuple[torch.Tensor, torch.Tensor]:
-        """Reference (summed log-probs, label counts) for the batch, without gradients."""
-        if self.kind == "none":
-            raise RuntimeError("This preference loss runs without a reference model; nothing to compute.")
+    def logps(self, policy, compute) -> tuple[torch.Tensor, torch.Tensor]:
+        """Reference (summed log-probs, label counts) for a batch, without gradients: ``compute(model)``
+        runs the batch through the model it is given; ``policy`` is the model the Trainer hands ``compute_loss``."""
+        if self.kind not in ("model", "adapter_disabled"):
+            raise RuntimeError(f"No reference model to run (reference kind {self.kind!r}).")
         with torch.no_grad():
             if self.kind == "model":
-                return forward_logps(self.model, input_ids, attention_mask, labels)
+                return compute(self.model)
             # The bare module, not a DDP wrapper: this pass has no backward for DDP to sync.
             with self.disabled_adapter(policy):
-                return forward_logps(unwrap(policy), input_ids, attention_mask, labels)
+                return compute(unwrap(policy))
 
     @staticmethod
     @contextlib.contextmanager

@@ -21,6 +21,9 @@ from stages.recipes.preference import BatchMetricsMixin
 from stages.training.value_head import ValueHeadModel, is_adapter_folder
 
 
+FORWARD_COLUMNS = ("input_ids", "attention_mask", "position_ids", "sequence_ids")
+
+
 def pairwise_reward_loss(chosen: torch.Tensor, rejected: torch.Tensor) -> torch.Tensor:
     """Per-pair Bradley-Terry loss: -log sigmoid(r_chosen - r_rejected)."""
     return -F.logsigmoid(chosen - rejected)
@@ -30,7 +33,8 @@ class RewardTrainer(BatchMetricsMixin, Trainer):
     """Trains a ``ValueHeadModel`` on stacked [chosen; rejected] batches; saves LM + value head."""
 
     def batch_loss(self, model, inputs) -> tuple[torch.Tensor, dict[str, float]]:
-        rewards = model(input_ids=inputs["input_ids"], attention_mask=inputs["attention_mask"]).rewards
+        # Padded (attention_mask) or padding-free (position_ids, sequence_ids) pairs: stages/training/preference_collators.py
+        rewards = model(**{k: inputs[k] for k in FORWARD_COLUMNS if k in inputs}).rewards
         chosen, rejected = rewards.chunk(2)
         loss = pairwise_reward_loss(chosen, rejected).mean()
         chosen, rejected = chosen.detach(), rejected.detach()

@@ -21,7 +21,8 @@ import torch
 ESTIMATORS = ("group_norm", "dr_grpo", "rloo", "reinforce_baseline")
 SCALE_REWARDS = ("group", "batch", "none")
 KL_ESTIMATORS = ("k1", "k2", "k3")
-LOSS_TYPES = ("grpo", "dapo", "dr_grpo")
+LOSS_TYPES = ("grpo", "dapo", "dr_grpo", "cispo")
+IMPORTANCE_SAMPLING_LEVELS = ("token", "sequence")
 # k3 exponentiates the log-ratio; clamping it to +-20 keeps exp() finite in float32 (e^20 ~ 5e8).
 # Only tokens whose policy and reference disagree by a factor above e^20 are affected (their KL
 # gradient is cut); TRL does not clamp, OpenRLHF clamps the result to +-10.
@@ -139,7 +140,7 @@ def loss_normalizer(
 
     ``completion_lengths`` covers the whole optimizer step: all micro-batches of all data-parallel
     ranks (e.g. ``mask.sum(-1)`` of the full batch, or ``len(sample.completion_ids)`` each).
-    grpo: the number of sequences; dapo: the number of tokens; dr_grpo: sequences *
+    grpo: the number of sequences; dapo and cispo: the number of tokens; dr_grpo: sequences *
     max_completion_length. Floored at 1 so an empty batch gives 0 loss, not NaN.
     """
     if loss_type not in LOSS_TYPES:
@@ -147,7 +148,7 @@ def loss_normalizer(
     lengths = torch.as_tensor(completion_lengths).flatten()
     if loss_type == "grpo":
         value = float(lengths.numel())
-    elif loss_type == "dapo":
+    elif loss_type in ("dapo", "cispo"):
         value = float(lengths.sum().item())
     else:
         value = float(lengths.numel() * max_completion_length)
@@ -168,6 +169,9 @@ def policy_loss(
     beta: float = 0.0,
     kl_estimator: str = "k3",
     normalizer: Optional[float] = None,
+    importance_sampling_level: str = "token",
+    entropy: Optional[torch.Tensor] = None,
+    entropy_coef: float = 0.0,
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """The clipped-surrogate loss of a padded batch, and its metrics.
 
@@ -178,9 +182,22 @@ def policy_loss(
 
         loss_tok = -min(ratio * A, clip(ratio, 1 - epsilon_low, 1 + epsilon_high) * A) + beta * kl_tok
 
+    Variants (TRL 1.16's keys and formulas):
+
+    * ``importance_sampling_level="sequence"`` (GSPO): ratio = exp(mean over the row's completion
+      tokens of logp - old_logp), one value on every token of the row; clipped as above. Its
+      gradient is the ratio times the mean of the tokens' log-prob gradients.
+    * ``loss_type="cispo"`` (MiniMax-M1's CISPO): loss_tok = -sg(min(ratio, epsilon_high)) * A * logp
+      (sg: no gradient). The IS weight is capped at ``epsilon_high`` itself (ScaleRL's eps_max, e.g.
+      5.0), not 1 + epsilon_high; no token loses its gradient, it only gets a bounded weight.
+      Aggregated as dapo.
+    * ``entropy_coef`` > 0: ``- entropy_coef * entropy_tok`` is added to every token's loss, so the
+      bonus is aggregated exactly as the policy loss (verl's ``entropy_coeff``; under dapo, TRL's
+      ``entropy_coef``). ``entropy`` [B, T] is each position's distribution entropy, with its graph.
+
     Aggregation: the loss is ``numerator / normalizer``, where the numerator is, by ``loss_type``,
-    grpo: the sum over sequences of each sequence's token mean; dapo and dr_grpo: the sum over all
-    tokens. ``normalizer`` None uses this batch's own ``loss_normalizer``, giving grpo = mean over
+    grpo: the sum over sequences of each sequence's token mean; dapo, cispo and dr_grpo: the sum over
+    all tokens. ``normalizer`` None uses this batch's own ``loss_normalizer``, giving grpo = mean over
     sequences of token means, dapo = token mean, dr_grpo = sum / (B * max_completion_length).
 
     Micro-batches: pass every micro-batch ``normalizer=loss_normalizer(loss_type, <lengths of the
@@ -191,20 +208,27 @@ def policy_loss(
     Metrics (this call's tokens; ``num_tokens`` lets callers weight them): ``clip_fraction`` share
     of tokens whose clip is active, i.e. the gradient is cut (ratio < 1 - eps_low with A < 0:
     ``clip_fraction_low``; ratio > 1 + eps_high with A > 0: ``clip_fraction_high``), ``ratio_mean``,
-    and ``kl`` (token mean of the chosen estimator) when ``ref_logp`` is given.
+    and ``kl`` (token mean of the chosen estimator) when ``ref_logp`` is given, ``entropy`` (token
+    mean) when ``entropy`` is. Under cispo only the high side caps (ratio > epsilon_high, A > 0).
     """
     if loss_type not in LOSS_TYPES:
         raise ValueError(f"Unknown loss_type {loss_type!r}; expected one of {LOSS_TYPES}.")
+    if importance_sampling_level not in IMPORTANCE_SAMPLING_LEVELS:
+        raise ValueError(f"Unknown importance_sampling_level {importance_sampling_level!r}; expected one of "
+                         f"{IMPORTANCE_SAMPLING_LEVELS}.")
     if beta > 0 and ref_logp is None:
         raise ValueError("beta > 0 needs ref_logp, the reference model's log-probs of the same tokens.")
+    if entropy_coef and entropy is None:
+        raise ValueError("entropy_coef needs entropy, each completion position's distribution entropy [B, T].")
     logp = _as_float(logp)
     mask = torch.as_tensor(mask).to(device=logp.device, dtype=logp.dtype)
     old_logp = _as_float(old_logp).detach().to(logp.device)
     adv = _as_float(advantages).detach().to(device=logp.device, dtype=logp.dtype)
     per_sequence = adv.dim() == 1 and adv.shape[0] == logp.shape[0]
     if (not (logp.shape == old_logp.shape == mask.shape) or logp.dim() != 2
-            or not (per_sequence or adv.shape == logp.shape)):
-        raise ValueError(f"policy_loss wants logp, old_logp, mask [B, T] and advantages [B] or [B, T]; got "
+            or not (per_sequence or adv.shape == logp.shape)
+            or (entropy is not None and tuple(entropy.shape) != tuple(logp.shape))):
+        raise ValueError(f"policy_loss wants logp, old_logp, mask (and entropy) [B, T], advantages [B] or [B, T]; got "
                          f"{tuple(logp.shape)}, {tuple(old_logp.shape)}, {tuple(mask.shape)}, {tuple(adv.shape)}.")
 
     # Padding may hold any value (even -inf): zero it before exp so it cannot leak NaN into the grads.
@@ -212,9 +236,21 @@ def policy_loss(
     logp, old_logp = torch.where(keep, logp, 0.0), torch.where(keep, old_logp, 0.0)
     # Per-sequence advantages broadcast over the row; per-token ones get their padding zeroed too.
     adv = adv.unsqueeze(1) if per_sequence else torch.where(keep, adv, 0.0)
-    ratio = torch.exp(logp - old_logp)
-    clipped = torch.clamp(ratio, 1 - epsilon_low, 1 + epsilon_high)
-    per_token = -torch.min(ratio * adv, clipped * adv)
+    log_ratio = logp - old_logp
+    if importance_sampling_level == "sequence":  # GSPO: the row's mean log-ratio on each of its tokens
+        row_mean = (log_ratio * mask).sum(1, keepdim=True) / mask.sum(1, keepdim=True).clamp(min=1.0)
+        log_ratio = row_mean.expand_as(logp)
+    ratio = torch.exp(log_ratio)
+    if loss_type == "cispo":
+        per_token = -torch.clamp(ratio, max=epsilon_high).detach() * adv * logp
+    else:
+        clipped = torch.clamp(ratio, 1 - epsilon_low, 1 + epsilon_high)
+        per_token = -torch.min(ratio * adv, clipped * adv)
+    ent_tok = None
+    if entropy is not None:
+        ent_tok = torch.where(keep, _as_float(entropy).to(logp.device), 0.0)
+        if entropy_coef:
+            per_token = per_token - entropy_coef * ent_tok
     kl_tok = None
     if ref_logp is not None:
         ref = torch.where(keep, _as_float(ref_logp).detach().to(logp.device), 0.0)
@@ -234,8 +270,9 @@ def policy_loss(
     with torch.no_grad():
         n_tok = mask.sum()
         denom = n_tok.clamp(min=1.0)
-        low = ((ratio < 1 - epsilon_low) & (adv < 0)).to(mask.dtype)
-        high = ((ratio > 1 + epsilon_high) & (adv > 0)).to(mask.dtype)
+        cispo = loss_type == "cispo"
+        low = ((ratio < 1 - epsilon_low) & (adv < 0) & (not cispo)).to(mask.dtype)
+        high = ((ratio > (epsilon_high if cispo else 1 + epsilon_high)) & (adv > 0)).to(mask.dtype)
         metrics = {
             "clip_fraction": ((low + high) * mask).sum().item() / denom.item(),
             "clip_fraction_low": (low * mask).sum().item() / denom.item(),
@@ -245,4 +282,6 @@ def policy_loss(
         }
         if kl_tok is not None:
             metrics["kl"] = (kl_tok * mask).sum().item() / denom.item()
+        if ent_tok is not None:
+            metrics["entropy"] = (ent_tok * mask).sum().item() / denom.item()
     return loss, metrics

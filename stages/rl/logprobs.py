@@ -17,28 +17,36 @@ import torch
 _CHUNK_ELEMENTS = 1 << 24
 
 
-def token_logprobs(logits: torch.Tensor, ids: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
+def token_logprobs(logits: torch.Tensor, ids: torch.Tensor, temperature: float = 1.0, with_entropy: bool = False):
     """``log_softmax(logits / temperature)`` at ``ids``, as float32, shape ``ids.shape``.
 
     ``logits`` is ``[..., V]`` (any float dtype), ``ids`` is ``logits.shape[:-1]``. Computed as
     ``logit[id] - logsumexp(logits)`` in row chunks, so the full ``[..., V]`` float32 log-softmax is
     never materialised at once (bf16 logits of a long batch would double in size otherwise).
-    Differentiable.
+    Differentiable. ``with_entropy``: returns ``(logprobs, entropy)``, the second the entropy of
+    each position's whole (temperature-scaled) distribution, ``logsumexp - sum(p * logit)``, from
+    the same chunks (the entropy bonus needs it with its gradient, so no second pass over the logits).
     """
     if logits.shape[:-1] != ids.shape:
         raise ValueError(f"logits {tuple(logits.shape)} and ids {tuple(ids.shape)} do not line up")
     vocab = logits.shape[-1]
     flat, flat_ids = logits.reshape(-1, vocab), ids.reshape(-1, 1)
     rows = max(1, _CHUNK_ELEMENTS // vocab)
-    parts = []
+    parts, entropies = [], []
     for start in range(0, flat.shape[0], rows):
         chunk = flat[start : start + rows].float()
         if temperature != 1.0:
             chunk = chunk / temperature
         picked = chunk.gather(-1, flat_ids[start : start + rows]).squeeze(-1)
-        parts.append(picked - torch.logsumexp(chunk, dim=-1))
-    out = torch.cat(parts) if parts else flat.new_zeros(0, dtype=torch.float32)
-    return out.reshape(ids.shape)
+        lse = torch.logsumexp(chunk, dim=-1)
+        parts.append(picked - lse)
+        if with_entropy:
+            entropies.append(lse - (torch.softmax(chunk, dim=-1) * chunk).sum(-1))
+    empty = flat.new_zeros(0, dtype=torch.float32)
+    out = (torch.cat(parts) if parts else empty).reshape(ids.shape)
+    if with_entropy:
+        return out, (torch.cat(entropies) if entropies else empty).reshape(ids.shape)
+    return out
 
 
 def completion_logprobs(
@@ -48,7 +56,8 @@ def completion_logprobs(
     pad_token_id: int,
     temperature: float = 1.0,
     micro_batch_size: int = 16,
-) -> list[torch.Tensor]:
+    with_entropy: bool = False,
+):
     """One 1-D float32 tensor per completion: ``log p(c_t | prompt, c_<t)`` under
     ``logits / temperature``, for every token ``c_t`` of the completion.
 
@@ -57,7 +66,8 @@ def completion_logprobs(
     shortest prompt's last token on are computed (``logits_to_keep``). Runs under whatever grad
     mode the caller is in: under ``torch.no_grad()`` for rollout/reference log-probs, with grad
     for the loss (every micro-batch's graph then stays alive until the caller's backward).
-    ``temperature`` <= 0 (greedy sampling) is treated as 1.
+    ``temperature`` <= 0 (greedy sampling) is treated as 1. ``with_entropy``: returns
+    ``(logprobs, entropies)``, two such lists, the second each position's distribution entropy.
     """
     if len(prompt_ids) != len(completion_ids):
         raise ValueError(f"{len(prompt_ids)} prompts but {len(completion_ids)} completions")
@@ -68,6 +78,7 @@ def completion_logprobs(
     total = [len(p) + len(c) for p, c in zip(prompt_ids, completion_ids)]
     order = sorted(range(len(total)), key=total.__getitem__)
     results: list[torch.Tensor] = [torch.zeros(0)] * len(total)
+    entropies: list[torch.Tensor] = [torch.zeros(0)] * len(total)
     for start in range(0, len(order), micro_batch_size):
         batch = order[start : start + micro_batch_size]
         width = max(total[i] for i in batch)
@@ -90,8 +101,12 @@ def completion_logprobs(
             use_cache=False,
         ).logits
         targets = input_ids[:, offset + 1 :].to(device)
-        lp = token_logprobs(logits[:, :-1], targets, temperature)  # lp[:, j] is the token at offset+1+j
+        # lp[:, j] is the token at offset+1+j
+        lp = token_logprobs(logits[:, :-1], targets, temperature, with_entropy=with_entropy)
+        lp, ent = lp if with_entropy else (lp, None)
         for row, i in enumerate(batch):
             first = len(prompt_ids[i]) - 1 - offset
             results[i] = lp[row, first : first + len(completion_ids[i])]
-    return results
+            if ent is not None:
+                entropies[i] = ent[row, first : first + len(completion_ids[i])]
+    return (results, entropies) if with_entropy else results

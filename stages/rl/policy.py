@@ -114,9 +114,12 @@ class PolicyWorker(TrainableRole):
 
         rl = self.spec.rl
         prompts, completions = sample_ids(chunk)
-        # One forward per micro-batch: DDP pairs each forward with the backward that follows it.
-        logp = pad_rows(completion_logprobs(self.train_model, prompts, completions, self.pad_token_id,
-                                            temperature=self.spec.generating.temperature, micro_batch_size=len(chunk)))
+        # One forward per micro-batch: DDP pairs each forward with the backward that follows it. The
+        # entropy comes from the same logits, only when the bonus needs it (it costs a softmax pass).
+        out = completion_logprobs(self.train_model, prompts, completions, self.pad_token_id,
+                                  temperature=self.spec.generating.temperature, micro_batch_size=len(chunk),
+                                  with_entropy=rl.entropy_coef > 0)
+        logp, entropy = (pad_rows(out[0]), pad_rows(out[1])) if rl.entropy_coef > 0 else (pad_rows(out), None)
         mask = completion_mask(completions)
         # One update per rollout (num_iterations 1): the old policy is the current one, ratio 1.
         if chunk[0].old_logprobs:
@@ -125,7 +128,7 @@ class PolicyWorker(TrainableRole):
             old = logp.detach()
             self._sampled_policy_logprobs += [row[: len(s.completion_ids)].tolist() for row, s in zip(old, chunk)]
         ref = pad_rows([torch.tensor(s.ref_logprobs) for s in chunk]) if self.kl_loss_coef > 0 else None
-        if chunk[0].token_advantages:  # PPO's GAE: one advantage per token
+        if any(s.token_advantages for s in chunk):  # GAE, REINFORCE++: one advantage per token
             advantages = pad_rows([torch.tensor(s.token_advantages) for s in chunk])
         else:
             advantages = torch.tensor([s.advantage for s in chunk], dtype=torch.float32)
@@ -134,6 +137,7 @@ class PolicyWorker(TrainableRole):
             epsilon_low=rl.epsilon, epsilon_high=rl.epsilon_high, loss_type=rl.loss_type,
             max_completion_length=rl.max_completion_length, ref_logp=ref, beta=self.kl_loss_coef,
             kl_estimator=rl.kl_estimator, normalizer=normalizer,
+            importance_sampling_level=rl.importance_sampling_level, entropy=entropy, entropy_coef=rl.entropy_coef,
         )
 
     def export_weights(self) -> bytes:

@@ -6,13 +6,18 @@ same keys LLaMA-Factory and TRL use; ``max_completion_length`` caps each complet
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field
 from typing import Any, Literal, Mapping, Optional
 
 from registries.errors import ArgumentError
 
-AdvantageEstimator = Literal["gae", "group_norm", "dr_grpo", "rloo", "reinforce_baseline"]
-GROUP_ESTIMATORS = ("group_norm", "dr_grpo", "rloo", "reinforce_baseline")  # all need n > 1 per prompt
+logger = logging.getLogger(__name__)
+
+AdvantageEstimator = Literal["gae", "group_norm", "dr_grpo", "rloo", "reinforce_baseline", "reinforce_plus_plus",
+                             "reinforce_plus_plus_baseline"]
+GROUP_ESTIMATORS = ("group_norm", "dr_grpo", "rloo", "reinforce_baseline",  # all need n > 1 per prompt
+                    "reinforce_plus_plus_baseline")
 # Stage ppo's defaults where they differ from grpo's (applied when the config does not set the key):
 # a critic and GAE, one completion per prompt, the KL as a per-token k1 penalty in the reward with
 # TRL's initial coefficient 0.2 (LLaMA-Factory's PPO runs on TRL 0.9 with these).
@@ -42,7 +47,15 @@ class RLArguments:
     # grpo: mean over each completion's tokens, then over completions (sequence-mean);
     # dapo: mean over all tokens of the batch (token-mean);
     # dr_grpo: sum over tokens / (completions * max_completion_length) (no length bias).
-    loss_type: Literal["grpo", "dapo", "dr_grpo"] = "dapo"
+    # cispo: a REINFORCE term weighted by the IS ratio capped at epsilon_high (e.g. 5.0), token-mean.
+    loss_type: Literal["grpo", "dapo", "dr_grpo", "cispo"] = "dapo"
+    # sequence: GSPO's one ratio per completion, exp(mean token log-ratio), clipped as a whole.
+    importance_sampling_level: Literal["token", "sequence"] = "token"
+    entropy_coef: float = 0.0  # loss -= entropy_coef x token entropy, aggregated as the policy loss
+    # DAPO's soft overlong punishment: up to -overlong_penalty_factor added to the reward, linearly
+    # over the last overlong_buffer_len tokens before max_completion_length; 0 turns it off.
+    overlong_buffer_len: int = 0
+    overlong_penalty_factor: float = 1.0
     num_iterations: int = 1  # policy updates per rollout batch (TRL's mu)
     # Drop prompt groups whose completions all got the same reward (no signal); the kept share is logged.
     dynamic_filtering: bool = False
@@ -75,6 +88,7 @@ class RLArguments:
                      "ppo_buffer_size", "kl_horizon"):
             if getattr(self, name) < 1:
                 raise ArgumentError(name, f"{name} must be at least 1, got {getattr(self, name)}.")
+        self._check_loss_variants()
         if self.epsilon_high is None:
             self.epsilon_high = self.epsilon
         if self.epsilon <= 0 or self.epsilon_high <= 0:
@@ -95,6 +109,38 @@ class RLArguments:
         if self.vllm_kv_cache_gib <= 0:
             raise ArgumentError("vllm_kv_cache_gib", f"vllm_kv_cache_gib must be positive, got {self.vllm_kv_cache_gib}.")
 
+    def _check_loss_variants(self) -> None:
+        """CISPO's cap, the entropy bonus and the overlong buffer; before epsilon_high defaults to epsilon."""
+        if self.loss_type == "cispo" and (self.epsilon_high is None or self.epsilon_high <= 1):
+            raise ArgumentError(
+                "epsilon_high",
+                f"loss_type cispo caps each token's importance weight at epsilon_high itself (ScaleRL's eps_max, "
+                f"as in TRL), not at 1 + epsilon_high, so it must be above 1; got {self.epsilon_high} (unset means "
+                "epsilon, 0.2, which would shrink every on-policy weight). Set epsilon_high: 5.0, the value the "
+                "ScaleRL paper recommends, or another cap above 1.",
+            )
+        if self.entropy_coef < 0:
+            raise ArgumentError(
+                "entropy_coef",
+                f"entropy_coef must be >= 0, got {self.entropy_coef}: it is the weight of an entropy bonus that "
+                "keeps the policy exploring (loss -= entropy_coef x entropy); a negative one would push entropy "
+                "down. Use 0 (off) or a small value such as 0.001.",
+            )
+        if self.overlong_buffer_len < 0 or self.overlong_buffer_len >= self.max_completion_length:
+            raise ArgumentError(
+                "overlong_buffer_len",
+                f"overlong_buffer_len is how many tokens before max_completion_length the soft overlong penalty "
+                f"starts, so it must lie in [0, max_completion_length) = [0, {self.max_completion_length}); got "
+                f"{self.overlong_buffer_len}. Use 0 to turn the penalty off, or e.g. a quarter of "
+                "max_completion_length (DAPO used 4096 of 20480).",
+            )
+        if self.overlong_penalty_factor < 0:
+            raise ArgumentError(
+                "overlong_penalty_factor",
+                f"overlong_penalty_factor is the largest penalty (at max_completion_length) subtracted from the "
+                f"reward, so it must be >= 0; got {self.overlong_penalty_factor}. DAPO uses 1.0.",
+            )
+
     def check_for_stage(self, stage) -> None:
         """Rules that depend on the stage's entry in the stage table (an RL stage's)."""
         from ..table import STAGES
@@ -114,6 +160,17 @@ class RLArguments:
                 f"each other, so num_generations must be at least 2 (got {self.num_generations}). "
                 "Set num_generations: 4 (or more).",
             )
+        if self.dynamic_filtering and self.num_generations < 2:  # reinforce_plus_plus allows a single completion
+            raise ArgumentError(
+                "dynamic_filtering",
+                "dynamic_filtering drops prompt groups whose completions all got the same reward, and a group of "
+                f"num_generations {self.num_generations} always does, so every step would be skipped. Set "
+                "num_generations: 2 or more, or dynamic_filtering: false.",
+            )
+        if self.importance_sampling_level == "sequence" and self.loss_type != "grpo":
+            logger.warning("importance_sampling_level sequence with loss_type %s sums per-token terms, so each "
+                           "completion weighs by its length; GSPO's own setup is loss_type grpo (as TRL warns).",
+                           self.loss_type)
         if not stage.rl.reward_model and not self.reward_funcs:  # reward functions are its only scorer
             raise ArgumentError(
                 "reward_funcs",

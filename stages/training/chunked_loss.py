@@ -49,11 +49,11 @@ def use_chunked_loss(setting: bool | None, vocab_size: int) -> bool:
     return bool(setting) if setting is not None else vocab_size >= AUTO_MIN_VOCAB
 
 
-def chunk_tokens_for(vocab_size: int, requested: int | None = None) -> int:
-    """Tokens per chunk: ``chunked_loss_tokens`` if set, else ~256 MiB of fp32 logits."""
+def chunk_tokens_for(vocab_size: int, requested: int | None = None, auto_values: int = AUTO_CHUNK_VALUES) -> int:
+    """Tokens per chunk: ``chunked_loss_tokens`` if set, else ``auto_values`` fp32 logits (~256 MiB)."""
     if requested:
         return int(requested)
-    return max(MIN_CHUNK_TOKENS, AUTO_CHUNK_VALUES // max(vocab_size, 1))
+    return max(MIN_CHUNK_TOKENS, auto_values // max(vocab_size, 1))
 
 
 def chunked_cross_entropy(hidden: torch.Tensor, labels: torch.Tensor | None, head_forward, chunk_tokens: int,
@@ -136,22 +136,34 @@ def supports_chunked_loss(model) -> bool:
 def chunked_head_loss(model, chunk_tokens: int):
     """For the calls inside: ``model(**batch, labels=...)`` computes its loss chunk by chunk; its
     ``logits`` are then the final hidden states (the head is not applied to the whole batch)."""
-    base, head = language_model(model), output_head(model)
-    head_forward = head.forward
+    base = language_model(model)
+    with head_hands_back(model) as (head_forward, head_dtype):
+
+        def loss_function(logits, labels, vocab_size=None, num_items_in_batch=None, ignore_index=IGNORE_INDEX,
+                          shift_labels=None, **kwargs):
+            if (head_dtype is not None and logits.dtype != head_dtype
+                    and not torch.is_autocast_enabled(logits.device.type)):
+                logits = logits.to(head_dtype)
+            return chunked_cross_entropy(logits, labels, head_forward, chunk_tokens, num_items_in_batch,
+                                         ignore_index, shift_labels)
+
+        with _instance_attribute(base, "_loss_function", loss_function):
+            yield
+
+
+@contextlib.contextmanager
+def head_hands_back(model):
+    """For the calls inside, ``model``'s output head returns its input: a forward's ``logits`` are
+    the final hidden states. Yields (the head's real forward, the head's weight dtype or None).
+
+    A forward that upcasts its logits (logits.float()) upcasts the hidden states handed back in
+    their place; callers give them to the real head in its own dtype, as the plain forward did."""
+    head = output_head(model)
     weight = getattr(head, "weight", None)
-    # A forward that upcasts its logits (logits.float()) upcasts the hidden states handed back in
-    # their place; the head must see them in its own dtype, as it did in the plain forward (lossless).
     head_dtype = weight.dtype if weight is not None and weight.is_floating_point() else None
-
-    def loss_function(logits, labels, vocab_size=None, num_items_in_batch=None, ignore_index=IGNORE_INDEX,
-                      shift_labels=None, **kwargs):
-        if head_dtype is not None and logits.dtype != head_dtype and not torch.is_autocast_enabled(logits.device.type):
-            logits = logits.to(head_dtype)
-        return chunked_cross_entropy(logits, labels, head_forward, chunk_tokens, num_items_in_batch,
-                                     ignore_index, shift_labels)
-
-    with _instance_attribute(head, "forward", _hand_back), _instance_attribute(base, "_loss_function", loss_function):
-        yield
+    head_forward = head.forward
+    with _instance_attribute(head, "forward", _hand_back):
+        yield head_forward, head_dtype
 
 
 def _hand_back(hidden):
@@ -202,18 +214,25 @@ class ChunkedLossMixin:
         return self._chunking[id(unwrapped)]
 
     def _decide(self, model) -> int | None:
-        from transformers.integrations import is_deepspeed_zero3_enabled
+        return chunk_tokens_of(model, self.chunked_loss, self.chunked_loss_tokens)
 
-        vocab = vocab_size_of(model)
-        if not use_chunked_loss(self.chunked_loss, vocab):
-            return None
-        reason = ("DeepSpeed ZeRO-3 partitions the head's weight" if is_deepspeed_zero3_enabled()
-                  else None if supports_chunked_loss(model)
-                  else f"{type(language_model(model)).__name__} changes its logits after the output head")
-        if reason is not None:
-            log = logger.warning if self.chunked_loss else logger.info
-            log("chunked_loss: using the plain loss instead: %s.", reason)
-            return None
-        tokens = chunk_tokens_for(vocab, self.chunked_loss_tokens)
-        logger.info("chunked_loss: the cross-entropy runs in chunks of %d tokens (vocabulary %d)", tokens, vocab)
-        return tokens
+
+def chunk_tokens_of(model, setting: bool | None, requested_tokens: int | None = None,
+                    auto_values: int = AUTO_CHUNK_VALUES) -> int | None:
+    """Tokens per chunk for ``model`` under ``chunked_loss: setting``, or None for the plain path:
+    off as set, below AUTO_MIN_VOCAB on null, under ZeRO-3, or where the head's output is not the logits."""
+    from transformers.integrations import is_deepspeed_zero3_enabled
+
+    vocab = vocab_size_of(model)
+    if not use_chunked_loss(setting, vocab):
+        return None
+    reason = ("DeepSpeed ZeRO-3 partitions the head's weight" if is_deepspeed_zero3_enabled()
+              else None if supports_chunked_loss(model)
+              else f"{type(language_model(model)).__name__} changes its logits after the output head")
+    if reason is not None:
+        log = logger.warning if setting else logger.info
+        log("chunked_loss: using the plain loss instead: %s.", reason)
+        return None
+    tokens = chunk_tokens_for(vocab, requested_tokens, auto_values)
+    logger.info("chunked_loss: the head runs in chunks of %d tokens (vocabulary %d)", tokens, vocab)
+    return tokens

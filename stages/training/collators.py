@@ -109,33 +109,6 @@ class PaddingCollator:
 
 
 @dataclass
-class PairwiseCollator(PaddingCollator):
-    """rm/dpo: ``2B`` rows, all chosen sequences first, then all rejected ones, same length."""
-
-    def __call__(self, features) -> dict[str, torch.Tensor]:
-        columns = to_columns(features)
-        stacked = {
-            name: list(columns[f"chosen_{name}"]) + list(columns[f"rejected_{name}"])
-            for name in ("input_ids", "attention_mask", "labels")
-        }
-        return self.collate_columns(stacked)
-
-
-@dataclass
-class KTOCollator(PaddingCollator):
-    """kto: the examples, their mismatched KL examples (padded on their own) and the tags."""
-
-    def __call__(self, features) -> dict[str, torch.Tensor]:
-        columns = to_columns(features)
-        main = self.collate_columns({k: columns[k] for k in ("input_ids", "attention_mask", "labels")})
-        kl = self.collate_columns({k: columns[f"kl_{k}"] for k in ("input_ids", "attention_mask", "labels")})
-        batch = dict(main)
-        batch.update({f"kl_{k}": v for k, v in kl.items()})
-        batch["kto_tags"] = torch.as_tensor([bool(t) for t in columns["kto_tags"]], dtype=torch.bool)
-        return batch
-
-
-@dataclass
 class NeatPackingCollator(PaddingCollator):
     """sft with ``neat_packing``: ``attention_mask`` holds example numbers (1,1,2,2,2,3,..., 0 =
     padding). Builds position ids that restart at every example and a 4-D block-diagonal causal
@@ -199,12 +172,18 @@ class PaddingFreeCollator(PaddingCollator):
 
     def __call__(self, features) -> dict[str, torch.Tensor]:
         columns = to_columns(features)
-        ids = [list(map(int, row)) for row in columns["input_ids"]]
-        labels = [list(map(int, row)) for row in columns.get("labels", columns["input_ids"])]
+        return self.lay_out(columns["input_ids"], columns.get("labels", columns["input_ids"]))
+
+    def lay_out(self, input_ids, labels, number_sequences: bool = False) -> dict[str, torch.Tensor]:
+        """Examples (lists of ids and of labels) into rows; with ``number_sequences``, also
+        ``sequence_ids``: each token's example (its index in the given order), -1 for pads."""
+        ids = [list(map(int, row)) for row in input_ids]
+        labels = [list(map(int, row)) for row in labels]
         longest = max(map(len, ids))
         width = sum(map(len, ids)) if self.one_row else max(self.row_width or longest, longest)
+        placement = _first_fit([len(row) for row in ids], width)
         rows: list[dict[str, list[int]]] = []
-        for index in _first_fit([len(row) for row in ids], width):
+        for index in placement:
             row = {"input_ids": [], "labels": [], "position_ids": []}
             for i in index:
                 row["input_ids"] += ids[i]
@@ -217,6 +196,14 @@ class PaddingFreeCollator(PaddingCollator):
         lengths = torch.as_tensor([len(row["input_ids"]) for row in rows])
         tail = torch.arange(batch["input_ids"].shape[1]) - lengths[:, None]
         batch["position_ids"] = torch.where(tail >= 0, tail, batch["position_ids"])
+        if number_sequences:
+            owners = torch.full(batch["input_ids"].shape, -1, dtype=torch.long)
+            for r, index in enumerate(placement):
+                at = 0
+                for i in index:
+                    owners[r, at : at + len(ids[i])] = i
+                    at += len(ids[i])
+            batch["sequence_ids"] = owners
         return batch
 
 
@@ -274,10 +261,18 @@ def supervised_collator(tokenizer, data_args, model=None, pad_to_multiple_of: in
 
 
 def causal_lm_collator(tokenizer, data_args, model, pad_to_multiple_of: int | None, packed: bool):
-    """pt/sft batches: padding-free when ``padding_free`` allows it (null: whenever the model
-    supports it and rows are not packed already: packed rows are full, and one row of them all
-    would only make attention dearer), else padded on the right. On sdpa a padding-free batch is
-    one row that attention takes one example at a time (stages/training/per_example_attention.py)."""
+    """pt/sft batches: padding-free where ``padding_free_layout`` says so (not for rows packed
+    already: they are full, and one row of them all would only make attention dearer), else
+    padded on the right."""
+    layout = padding_free_layout(tokenizer, data_args, model, auto=not packed)
+    return layout or PaddingCollator.from_tokenizer(tokenizer, "right", pad_to_multiple_of=pad_to_multiple_of)
+
+
+def padding_free_layout(tokenizer, data_args, model, auto: bool = True) -> "PaddingFreeCollator | None":
+    """How a training batch goes padding-free under ``padding_free`` (null: when ``auto`` and the
+    model supports it), or None for padded batches. On sdpa the batch is one row that attention
+    takes one example at a time (stages/training/per_example_attention.py); on flash kernels one
+    row too; elsewhere rows as wide as the longest example."""
     wanted = getattr(data_args, "padding_free", None)
     supported = model is not None and supports_padding_free(model)
     if wanted and not supported:
@@ -287,22 +282,12 @@ def causal_lm_collator(tokenizer, data_args, model, pad_to_multiple_of: int | No
             "examples apart when they share a row without a mask (that needs flash attention, or sdpa/eager "
             "in a model built on transformers' masking_utils). Set padding_free: false (or remove it)."
         )
-    if wanted or (wanted is None and supported and not packed):
-        if supported and supports_per_example_sdpa(model):
-            return PaddingFreeCollator.from_tokenizer(tokenizer, "right", one_row=True, attention=PER_EXAMPLE_SDPA)
-        one_row = attention_implementation(model).startswith("flash")
-        return PaddingFreeCollator.from_tokenizer(tokenizer, "right", one_row=one_row)
-    return PaddingCollator.from_tokenizer(tokenizer, "right", pad_to_multiple_of=pad_to_multiple_of)
-
-
-def pairwise_collator(tokenizer, data_args, model=None, pad_to_multiple_of: int | None = None):
-    """rm/dpo: chosen then rejected, stacked."""
-    return PairwiseCollator.from_tokenizer(tokenizer, "right", pad_to_multiple_of=pad_to_multiple_of)
-
-
-def kto_collator(tokenizer, data_args, model=None, pad_to_multiple_of: int | None = None):
-    """kto: the examples plus their KL batch and tags."""
-    return KTOCollator.from_tokenizer(tokenizer, "right", pad_to_multiple_of=pad_to_multiple_of)
+    if not (wanted or (wanted is None and supported and auto)):
+        return None
+    if supported and supports_per_example_sdpa(model):
+        return PaddingFreeCollator.from_tokenizer(tokenizer, "right", one_row=True, attention=PER_EXAMPLE_SDPA)
+    one_row = attention_implementation(model).startswith("flash")
+    return PaddingFreeCollator.from_tokenizer(tokenizer, "right", one_row=one_row)
 
 
 def prompt_collator(tokenizer, data_args, model=None, pad_to_multiple_of: int | None = None):

@@ -218,7 +218,9 @@ def _with(plan: MemoryPlan, on: bool, reason: str) -> MemoryPlan:
 
 def training_shape(spec, training_args, model: ModelShape) -> TrainingShape:
     """The TrainingShape of a run: its JobSpec (model, data, finetuning) and built trainer arguments."""
-    from stages.training.chunked_loss import chunk_tokens_for, use_chunked_loss
+    from stages.training.chunked_loss import AUTO_CHUNK_VALUES, chunk_tokens_for, use_chunked_loss
+    from stages.training.sequence_logps import AUTO_CHUNK_VALUES as SEQUENCE_CHUNK_VALUES
+    from stages.training.cpu_precision import training_load_dtype
 
     tuning, stage = spec.finetuning, spec.stage
     bf16, fp16 = bool(training_args.bf16), bool(training_args.fp16)
@@ -230,11 +232,12 @@ def training_shape(spec, training_args, model: ModelShape) -> TrainingShape:
         finetuning_type=tuning.finetuning_type,
         micro_batch_tokens=int(training_args.per_device_train_batch_size) * spec.data.cutoff_len * rows,
         sequence_length=spec.data.cutoff_len,
-        weight_dtype=spec.model.load_dtype(bf16, fp16),
+        weight_dtype=training_load_dtype(spec.model, tuning.finetuning_type, bf16, fp16, bool(training_args.use_cpu)),
         mixed_precision=bf16 or fp16,
         attention=spec.model.attn_implementation or "sdpa",  # what transformers picks where it can
-        chunked_loss=stage.causal_lm_loss and use_chunked_loss(tuning.chunked_loss, model.vocab_size),
-        chunk_tokens=chunk_tokens_for(model.vocab_size, tuning.chunked_loss_tokens),
+        chunked_loss=stage.chunks_logits and use_chunked_loss(tuning.chunked_loss, model.vocab_size),
+        chunk_tokens=chunk_tokens_for(model.vocab_size, tuning.chunked_loss_tokens,
+                                      SEQUENCE_CHUNK_VALUES if stage.token_logps else AUTO_CHUNK_VALUES),
         lora_rank=tuning.lora_rank,
         lora_target=tuple([target] if isinstance(target, str) else target or ["all"]),
         freeze_trainable_layers=tuning.freeze_trainable_layers,
@@ -242,8 +245,12 @@ def training_shape(spec, training_args, model: ModelShape) -> TrainingShape:
         optimizer=str(getattr(training_args.optim, "value", training_args.optim)),
         zero_stage=int(deepspeed.get("zero_optimization", {}).get("stage", 0) or 0),
         world_size=int(training_args.world_size),
-        # A LoRA policy's reference is itself with the adapter off; any other is a second model.
-        reference_copy=tuning.use_ref_model and (tuning.finetuning_type != "lora" or tuning.ref_model is not None),
+        # A LoRA policy's reference is itself with the adapter off; any other is a second model,
+        # unless its log-probs are precomputed (as set: the plan runs before the data arrives, so
+        # null, which decides on the data, is counted with the copy) and the copy freed before
+        # the optimizer exists (stages/training/reference_logps.py).
+        reference_copy=(tuning.use_ref_model and (tuning.finetuning_type != "lora" or tuning.ref_model is not None)
+                        and not (stage.token_logps and tuning.precompute_ref_log_probs)),
     )
 
 

@@ -33,6 +33,15 @@ def last_token_index(attention_mask: torch.Tensor) -> torch.Tensor:
     return attention_mask.long().cumsum(-1).argmax(-1)
 
 
+def last_token_of_each(sequence_ids: torch.Tensor) -> torch.Tensor:
+    """Flat index of each sequence's last token in padding-free rows (-1 marks pads)."""
+    owners = sequence_ids.reshape(-1)
+    real = (owners >= 0).nonzero().squeeze(1)
+    count = int(owners.max()) + 1
+    last = torch.full((count,), -1, dtype=torch.long, device=owners.device)
+    return last.scatter_reduce(0, owners.index_select(0, real), real, reduce="amax")
+
+
 class ValueHeadModel(nn.Module):
     """``pretrained_model`` (a causal LM, or a PeftModel around one) + ``v_head``."""
 
@@ -51,18 +60,24 @@ class ValueHeadModel(nn.Module):
         skips_logits = "logits_to_keep" in inspect.signature(base.forward).parameters
         self._lm_kwargs = {"logits_to_keep": 1} if skips_logits else {}
 
-    def forward(self, input_ids, attention_mask=None, **kwargs) -> ValueHeadOutput:
-        if attention_mask is None:
+    def forward(self, input_ids, attention_mask=None, position_ids=None, sequence_ids=None, **kwargs) -> ValueHeadOutput:
+        """Padded rows (``attention_mask``), or padding-free ones (stages/training/preference_collators.py:
+        ``position_ids`` restarting per sequence, ``sequence_ids`` naming each token's): then
+        ``rewards`` has one value per sequence, in sequence order."""
+        if attention_mask is None and sequence_ids is None:
             attention_mask = torch.ones_like(input_ids)
         out = self.pretrained_model(
             input_ids=input_ids,
             attention_mask=attention_mask,
+            position_ids=position_ids,
             output_hidden_states=True,
             use_cache=False,
             **self._lm_kwargs,
         )
         hidden = out.hidden_states[-1]
         values = self.v_head(hidden.to(self.v_head.weight.dtype)).squeeze(-1).float()
+        if sequence_ids is not None:
+            return ValueHeadOutput(values, values.reshape(-1)[last_token_of_each(sequence_ids)])
         rows = torch.arange(values.shape[0], device=values.device)
         return ValueHeadOutput(values, values[rows, last_token_index(attention_mask)])
 
@@ -148,7 +163,7 @@ def score(model: ValueHeadModel, input_ids, attention_mask=None) -> torch.Tensor
 
 def score_pairs(model: ValueHeadModel, pairs, pad_token_id: int, batch_size: int = 32):
     """(chosen, rejected) rewards of tokenized pairs (rows with chosen_*/rejected_* columns)."""
-    from stages.training.collators import PairwiseCollator
+    from stages.training.preference_collators import PairwiseCollator
 
     collator = PairwiseCollator(pad_token_id=pad_token_id)
     rows = [pairs[i] for i in range(len(pairs))]

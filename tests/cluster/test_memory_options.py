@@ -45,10 +45,21 @@ def test_chunked_loss_options_load_and_are_checked():
     assert load_config(dict(BASE)).finetuning.chunked_loss is None  # auto
     assert "chunked_loss" in error_of({**BASE, "chunked_loss": "maybe"})
     assert "chunked_loss_tokens must be at least 1, got 0" in error_of({**BASE, "chunked_loss_tokens": 0})
-    wrong_stage = error_of({**BASE, "stage": "dpo", "chunked_loss": True})
-    assert wrong_stage.startswith("invalid chunked_loss in the config dict: chunked_loss chunks the causal-LM loss "
-                                  "of stages pt and sft, but stage is 'dpo'")
-    assert load_config({**BASE, "stage": "dpo", "chunked_loss": False}).finetuning.chunked_loss is False
+    wrong_stage = error_of({**BASE, "stage": "rm", "chunked_loss": True})
+    assert wrong_stage.startswith("invalid chunked_loss in the config dict: chunked_loss applies the output head in "
+                                  "chunks of tokens in stages pt, sft, dpo, kto, but stage is 'rm'")
+    assert load_config({**BASE, "stage": "rm", "chunked_loss": False}).finetuning.chunked_loss is False
+    assert load_config({**BASE, "stage": "dpo", "chunked_loss": True}).finetuning.chunked_loss is True  # summed log-probs
+
+
+def test_precompute_ref_log_probs_is_for_runs_with_a_reference():
+    run = load_config({**BASE, "stage": "dpo", "precompute_ref_log_probs": True})
+    assert run.finetuning.precompute_ref_log_probs is True
+    assert load_config({**BASE, "stage": "kto"}).finetuning.precompute_ref_log_probs is None  # planned per run
+    for refused in ({"stage": "dpo", "pref_loss": "simpo"}, {"stage": "sft"}, {"stage": "grpo"}):
+        message = error_of({**BASE, **refused, "precompute_ref_log_probs": True})
+        assert "precompute_ref_log_probs computes a reference model's log-probs before training, but this run has " \
+               "no reference" in message, message
 
 
 def test_chunked_loss_true_under_zero_3_is_refused():

@@ -219,3 +219,26 @@ def test_full_dpo_under_deepspeed_zero3_on_two_workers(ray_session, tmp_path):
     base = load_file(os.path.join(resolve_model_path("tiny:qwen2"), "model.safetensors"))
     assert set(weights) == set(base)
     assert all(weights[k].shape == base[k].shape for k in base)
+
+
+# ------------------------------------------------------------------------------ precomputed reference log-probs
+
+
+def test_full_dpo_with_precomputed_reference_logps_frees_the_copy_and_keeps_the_losses(ray_session, tmp_path):
+    """Two workers each compute half of the reference's log-probs before the first step and gather
+    the rest: the losses are the per-step reference's, step by step, and when training begins the
+    reference model is gone (one model's parameters alive, not two)."""
+    losses = {}
+    for precompute in (False, True):
+        census_path = str(tmp_path / f"census-{precompute}.json")
+        config = example_config("dpo_lora.yaml", tmp_path / str(precompute), finetuning_type="full", max_steps=3,
+                                logging_steps=1, save_steps=100, ray_num_workers=2, per_device_train_batch_size=4,
+                                precompute_ref_log_probs=precompute)
+        for key in (*LORA_KEYS, "eval_dataset"):
+            config.pop(key)
+        result = run_exp(config, callbacks=[ParameterCensus(census_path)])
+        losses[precompute] = [r["loss"] for r in read_log(result.output_dir) if "loss" in r]
+        counts = census(census_path)
+        assert counts["alive"] == (1 if precompute else 2) * counts["policy"], (precompute, counts)
+    assert len(losses[True]) == 3
+    assert losses[True] == pytest.approx(losses[False], rel=1e-4)

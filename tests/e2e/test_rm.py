@@ -20,7 +20,7 @@ from cluster.driver import run_exp
 from registries.datasets import DataArguments
 from stages.run_args import ModelArguments
 from stages.training.callbacks import read_log
-from stages.training.collators import PairwiseCollator
+from stages.training.preference_collators import PairwiseCollator
 from stages.loading import load_tokenizer_and_template
 from stages.training.value_head import VALUE_HEAD_FILE, load_reward_model, reward_accuracy, score
 from tests.e2e.conftest import (

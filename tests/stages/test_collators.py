@@ -4,12 +4,8 @@ import torch
 from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
-from stages.training.collators import (
-    KTOCollator,
-    NeatPackingCollator,
-    PaddingCollator,
-    PairwiseCollator,
-)
+from stages.training.collators import NeatPackingCollator, PaddingCollator
+from stages.training.preference_collators import KTOCollator, PairwiseCollator
 from stages.table import STAGES
 
 M = -100

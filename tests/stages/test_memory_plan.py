@@ -151,3 +151,19 @@ def test_the_run_shape_comes_from_the_config(model_dir, tmp_path):
                                                                        chunked_loss=None))
     paired = training_shape(dpo, job.training_args, ModelShape.from_config(LlamaConfig(**SHAPES)))
     assert paired.micro_batch_tokens == 2 * 4 * 256 and paired.reference_copy is True
+
+
+def test_a_preference_run_chunks_its_log_probs_and_drops_a_precomputed_reference(model_dir, tmp_path):
+    job = stage_job(model_dir, tmp_path, GIB, bf16=False)
+    shape = ModelShape.from_config(LlamaConfig(**SHAPES))
+
+    def dpo(**tuning):
+        spec = dataclasses.replace(job.spec, finetuning=FinetuningArguments(stage="dpo", finetuning_type="full", **tuning))
+        return training_shape(spec, job.training_args, shape)
+
+    assert dpo(chunked_loss=True).chunked_loss is True  # the summed log-probs take the head in chunks too
+    assert dpo().reference_copy is True  # null decides on the data, after the plan: the copy is counted
+    assert dpo(precompute_ref_log_probs=True).reference_copy is False  # freed before the optimizer exists
+    kept = plan_memory(shape, dpo(), MemoryBudget(64 * GIB, "test"))
+    freed = plan_memory(shape, dpo(precompute_ref_log_probs=True), MemoryBudget(64 * GIB, "test"))
+    assert freed.weights_gib == pytest.approx(kept.weights_gib / 2)

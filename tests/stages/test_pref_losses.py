@@ -19,7 +19,8 @@ from registries.tokenize import IGNORE_INDEX
 from stages.run_args import FinetuningArguments, ModelArguments
 from stages.recipes.dpo import preference_loss
 from stages.recipes.preference import (
-    Reference, adapter_preference_report, build_reference, pairwise_logps, preference_accuracy, sequence_logps,
+    Reference, adapter_preference_report, build_reference, forward_logps, pairwise_logps, preference_accuracy,
+    sequence_logps,
 )
 from stages.recipes.rm import pairwise_reward_loss
 from stages.training.value_head import ValueHeadModel, last_token_index
@@ -220,7 +221,7 @@ def test_lora_reference_is_the_policy_with_its_adapter_disabled(tiny):
     with torch.no_grad():
         base_logps, _ = sequence_logps(base(input_ids=ids).logits, labels)
         policy_logps, _ = sequence_logps(policy(input_ids=ids).logits, labels)
-    ref_logps, _ = reference.logps(policy, ids, mask, labels)
+    ref_logps, _ = reference.logps(policy, lambda m: forward_logps(m, ids, mask, labels))
     assert ref_logps.tolist() == pytest.approx(base_logps.tolist(), rel=1e-5)
     assert abs(policy_logps[0].item() - base_logps[0].item()) > 1e-3  # the adapter is back on afterwards
     assert all(p.requires_grad for n, p in policy.named_parameters() if "lora_" in n)

@@ -51,12 +51,27 @@ def test_one_update_is_the_same_for_any_micro_batch_size(tmp_path, loss_type):
     Agreeing gradients can still leave a weight rounded one way in one run and the other way in
     another: one float32 spacing of the weight (seen in CI: 1.5e-11 at 1e-4, 7e-5 of a 2e-7 step),
     so that much is forgiven; the large learning rate keeps the step far above those spacings."""
+    _micro_batch_steps_agree(tmp_path, loss_type=loss_type)
+
+
+@pytest.mark.parametrize("overrides", [
+    {"loss_type": "cispo", "epsilon_high": 5.0},
+    {"loss_type": "grpo", "importance_sampling_level": "sequence", "entropy_coef": 0.01},  # GSPO + entropy bonus
+    {"loss_type": "dapo", "entropy_coef": 0.05},
+])
+def test_loss_variants_are_the_same_for_any_micro_batch_size(tmp_path, overrides):
+    report = _micro_batch_steps_agree(tmp_path, **overrides)
+    assert ("entropy" in report) == ("entropy_coef" in overrides)
+
+
+def _micro_batch_steps_agree(tmp_path, **overrides) -> dict:
+    """The test above for the RL keys in ``overrides``; returns the last update's report."""
     batch = samples()
-    norm = loss_normalizer(loss_type, [len(s.completion_ids) for s in batch], 32)
+    norm = loss_normalizer(overrides["loss_type"], [len(s.completion_ids) for s in batch], 32)
     steps = []
     for micro in (2, 3, 16):
         worker = policy(tmp_path, per_device_train_batch_size=micro, adam_epsilon=1e3, learning_rate=100.0,
-                        loss_type=loss_type)
+                        **overrides)
         before = torch.cat([p.detach().flatten() for p in worker.model.parameters()])
         report = worker.update(batch, norm)
         assert report["num_samples"] == 7
@@ -68,6 +83,7 @@ def test_one_update_is_the_same_for_any_micro_batch_size(tmp_path, loss_type):
     assert scale > 0
     for step in steps[:-1]:
         assert ((step - steps[-1]).abs() - 2 * spacing).clamp(min=0).max() / scale < 1e-5
+    return report
 
 
 def test_hf_backend_samples_n_per_prompt_and_reports_the_models_log_probs(tmp_path):

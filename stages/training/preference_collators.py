@@ -1,0 +1,99 @@
+"""Collators of the preference stages: rm and dpo's pairs, kto's answers with their KL batch.
+
+A batch's sequences are padded on the right to the longest, or, where the model keeps examples
+apart in a shared row (``collators.padding_free_layout``, the ``padding_free`` key), laid end to
+end without pads: restarting position ids, and ``sequence_ids`` saying whose each token is, so the
+recipes sum per sequence (stages/training/sequence_logps.py; the value head for rm). A pair's
+chosen and rejected answers then share one forward with every other sequence of the batch.
+Reference log-probs computed before training (stages/training/reference_logps.py) ride along as
+``ref_logps`` (and kto's ``kl_ref_logps``), one per sequence in the batch's order.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from stages.training.collators import PaddingCollator, PaddingFreeCollator, padding_free_layout, to_columns
+
+SEQUENCE_COLUMNS = ("input_ids", "attention_mask", "labels")
+
+
+@dataclass
+class SequenceCollator(PaddingCollator):
+    """Sequences padded, or laid out padding-free by ``rows``."""
+
+    rows: PaddingFreeCollator | None = None
+
+    @property
+    def attention(self) -> str | None:
+        """The attention the padding-free rows need (StageJob.build_trainer sets it on the model)."""
+        return self.rows.attention if self.rows is not None else None
+
+    @property
+    def needs_no_cache(self) -> bool:
+        return self.rows is not None
+
+    def sequences(self, columns: dict[str, list[Any]], prefix: str = "") -> dict[str, torch.Tensor]:
+        """input_ids/attention_mask/labels columns -> the batch's tensors, keys prefixed."""
+        if self.rows is None:
+            batch = self.collate_columns({name: columns[name] for name in SEQUENCE_COLUMNS})
+        else:
+            batch = self.rows.lay_out(columns["input_ids"], columns["labels"], number_sequences=True)
+        return {prefix + key: value for key, value in batch.items()}
+
+
+@dataclass
+class PairwiseCollator(SequenceCollator):
+    """rm/dpo: ``2B`` sequences, all chosen first, then all rejected."""
+
+    def __call__(self, features) -> dict[str, torch.Tensor]:
+        columns = to_columns(features)
+        stacked = {name: list(columns[f"chosen_{name}"]) + list(columns[f"rejected_{name}"]) for name in SEQUENCE_COLUMNS}
+        batch = self.sequences(stacked)
+        if "chosen_ref_logps" in columns:
+            batch["ref_logps"] = _floats(list(columns["chosen_ref_logps"]) + list(columns["rejected_ref_logps"]))
+        return batch
+
+
+@dataclass
+class KTOCollator(SequenceCollator):
+    """kto: the answers, their mismatched KL answers (laid out on their own) and the tags."""
+
+    def __call__(self, features) -> dict[str, torch.Tensor]:
+        columns = to_columns(features)
+        batch = self.sequences(columns)
+        batch.update(self.sequences({name: columns[f"kl_{name}"] for name in SEQUENCE_COLUMNS}, prefix="kl_"))
+        batch["kto_tags"] = torch.as_tensor([bool(t) for t in columns["kto_tags"]], dtype=torch.bool)
+        for name in ("ref_logps", "kl_ref_logps"):
+            if name in columns:
+                batch[name] = _floats(columns[name])
+        return batch
+
+
+def _floats(values) -> torch.Tensor:
+    return torch.as_tensor([float(v) for v in values], dtype=torch.float32)
+
+
+def _rows(tokenizer, data_args, model) -> PaddingFreeCollator | None:
+    if model is None:  # evaluation tools without a model to ask: padded
+        return None
+    model = getattr(model, "pretrained_model", model)  # rm's value-head wrapper: its language model decides
+    return padding_free_layout(tokenizer, data_args, model)
+
+
+# Collator factories for the stage table: (tokenizer, data_args, model=None, pad_to_multiple_of=None).
+
+
+def pairwise_collator(tokenizer, data_args, model=None, pad_to_multiple_of: int | None = None):
+    """rm/dpo: chosen then rejected, padded or padding-free."""
+    return PairwiseCollator.from_tokenizer(tokenizer, "right", pad_to_multiple_of=pad_to_multiple_of,
+                                           rows=_rows(tokenizer, data_args, model))
+
+
+def kto_collator(tokenizer, data_args, model=None, pad_to_multiple_of: int | None = None):
+    """kto: the answers plus their KL batch and tags, padded or padding-free."""
+    return KTOCollator.from_tokenizer(tokenizer, "right", pad_to_multiple_of=pad_to_multiple_of,
+                                      rows=_rows(tokenizer, data_args, model))
