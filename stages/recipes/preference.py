@@ -104,12 +104,16 @@ class Reference:
 
     kind: ReferenceKind
     model: Any = None  # only for kind "model": a frozen model (a DeepSpeed engine after prepare under ZeRO-3)
+    autocast: Any = contextlib.nullcontext  # the Trainer's mixed precision, set by prepare
 
     def prepare(self, trainer) -> None:
         """Put a separate reference next to the policy: DeepSpeed-wrapped under DeepSpeed (ZeRO-3
         shards it like the policy; other stages keep a full copy per worker), else on the device."""
         if self.kind != "model":
             return
+        # The Trainer's mixed precision wraps the policy's forward in autocast (accelerate patches
+        # it); a separate reference must compute the same way, or at step 1 the two already differ.
+        self.autocast = trainer.accelerator.autocast
         # Padding-free batches need the policy's attention (one example at a time on sdpa) here too.
         use_attention(self.model, attention_implementation(trainer.model))
         if getattr(trainer, "is_deepspeed_enabled", False):
@@ -127,7 +131,8 @@ class Reference:
             raise RuntimeError(f"No reference model to run (reference kind {self.kind!r}).")
         with torch.no_grad():
             if self.kind == "model":
-                return compute(self.model)
+                with self.autocast():
+                    return compute(self.model)
             # The bare module, not a DDP wrapper: this pass has no backward for DDP to sync.
             with self.disabled_adapter(policy):
                 return compute(unwrap(policy))

@@ -269,3 +269,21 @@ def test_precompute_is_planned_where_it_saves_reference_forwards():
     assert plan_precompute(None, "model", data, SimpleNamespace(**{**vars(twice), "world_size": 2}))[0] is True
     with pytest.raises(ValueError, match="streamed"):
         plan_precompute(True, "model", iter([]), args)
+
+
+def test_under_bf16_a_separate_reference_computes_as_the_policy_does(tmp_path):
+    """Mixed precision patches the policy's forward with autocast; the reference copy runs under the
+    same autocast, so at step 1 (the same weights) every reward is 0 and the dpo loss is log 2."""
+    import datasets
+
+    model = tiny_llama()
+    args = TrainingArguments(output_dir=str(tmp_path), use_cpu=True, bf16=True, per_device_train_batch_size=2,
+                             report_to=[], remove_unused_columns=False, save_strategy="no")
+    trainer = PreferenceTrainer(model=model, args=args, train_dataset=datasets.Dataset.from_list(pairs()),
+                                data_collator=PairwiseCollator(pad_token_id=0),
+                                reference=Reference("model", copy.deepcopy(model).eval().requires_grad_(False)),
+                                finetuning_args=FinetuningArguments(stage="dpo", finetuning_type="full"))
+    wrapped = trainer.accelerator.prepare_model(trainer.model)  # as train() does: autocast around forward
+    loss, metrics = trainer.batch_loss(wrapped, PairwiseCollator(pad_token_id=0)(pairs()))
+    assert metrics["rewards/chosen"] == 0.0 and metrics["rewards/rejected"] == 0.0
+    assert loss.item() == pytest.approx(0.6931471805599453, abs=1e-7)
