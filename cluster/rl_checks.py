@@ -75,6 +75,14 @@ def check_rl(run, where: Callable[[str], str], local: bool = True) -> None:
             "completion of a prompt the same, so no group has anything to compare. Use temperature: 1.0 "
             "(or 0.6-1.0)."
         )
+    if run.rl.vllm_importance_sampling_correction and run.generating.temperature != 1.0:
+        raise ConfigError(
+            f"vllm_importance_sampling_correction in {where('vllm_importance_sampling_correction')} with "
+            f"temperature {run.generating.temperature}: the engines report raw log-probs (of temperature 1), while "
+            "the trainer's are of the temperature-scaled distribution, so their ratio is not the sampling "
+            "mismatch and the weights would be wrong. Use temperature: 1.0, or vllm_importance_sampling_correction: "
+            "false."
+        )
     completions, ranks = run.rl.completions_per_step, run.ray.ray_num_workers
     if completions < ranks:
         raise ConfigError(

@@ -172,6 +172,7 @@ def policy_loss(
     importance_sampling_level: str = "token",
     entropy: Optional[torch.Tensor] = None,
     entropy_coef: float = 0.0,
+    rollout_weights: Optional[torch.Tensor] = None,
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """The clipped-surrogate loss of a padded batch, and its metrics.
 
@@ -194,6 +195,9 @@ def policy_loss(
     * ``entropy_coef`` > 0: ``- entropy_coef * entropy_tok`` is added to every token's loss, so the
       bonus is aggregated exactly as the policy loss (verl's ``entropy_coeff``; under dapo, TRL's
       ``entropy_coef``). ``entropy`` [B, T] is each position's distribution entropy, with its graph.
+    * ``rollout_weights`` [B, T] or [B, 1] (stages/rl/rollout_correction.py): the sampler/trainer
+      importance weights; they multiply the clipped surrogate (TRL's place: after clipping, before the
+      entropy bonus and the KL term), detached.
 
     Aggregation: the loss is ``numerator / normalizer``, where the numerator is, by ``loss_type``,
     grpo: the sum over sequences of each sequence's token mean; dapo, cispo and dr_grpo: the sum over
@@ -246,6 +250,8 @@ def policy_loss(
     else:
         clipped = torch.clamp(ratio, 1 - epsilon_low, 1 + epsilon_high)
         per_token = -torch.min(ratio * adv, clipped * adv)
+    if rollout_weights is not None:
+        per_token = per_token * rollout_weights.detach().to(device=logp.device, dtype=logp.dtype)
     ent_tok = None
     if entropy is not None:
         ent_tok = torch.where(keep, _as_float(entropy).to(logp.device), 0.0)

@@ -106,7 +106,16 @@ class PolicyWorker(TrainableRole):
             from .loop import rollout_logprob_gap
 
             metrics.update(rollout_logprob_gap(samples, self._sampled_policy_logprobs))
+        if self._correction is not None:  # the pre-update log-probs: this update's own, or the given old ones
+            metrics.update(self._correction.sample_metrics(
+                samples, self._sampled_policy_logprobs or [s.old_logprobs for s in samples]))
         return metrics
+
+    @property
+    def _correction(self):
+        from .rollout_correction import RolloutCorrection
+
+        return RolloutCorrection.from_args(self.spec.rl)
 
     def _chunk_loss(self, chunk: list[RolloutSample], normalizer: float):
         from .algorithms import policy_loss
@@ -127,6 +136,8 @@ class PolicyWorker(TrainableRole):
         else:
             old = logp.detach()
             self._sampled_policy_logprobs += [row[: len(s.completion_ids)].tolist() for row, s in zip(old, chunk)]
+        # Rollout correction: the sampler's log-probs against the pre-update ones (old), as TRL does.
+        weights = self._correction.sample_weights(chunk, old, mask) if self._correction is not None else None
         ref = pad_rows([torch.tensor(s.ref_logprobs) for s in chunk]) if self.kl_loss_coef > 0 else None
         if any(s.token_advantages for s in chunk):  # GAE, REINFORCE++: one advantage per token
             advantages = pad_rows([torch.tensor(s.token_advantages) for s in chunk])
@@ -138,6 +149,7 @@ class PolicyWorker(TrainableRole):
             max_completion_length=rl.max_completion_length, ref_logp=ref, beta=self.kl_loss_coef,
             kl_estimator=rl.kl_estimator, normalizer=normalizer,
             importance_sampling_level=rl.importance_sampling_level, entropy=entropy, entropy_coef=rl.entropy_coef,
+            rollout_weights=weights,
         )
 
     def export_weights(self) -> bytes:

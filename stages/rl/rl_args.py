@@ -59,6 +59,15 @@ class RLArguments:
     num_iterations: int = 1  # policy updates per rollout batch (TRL's mu)
     # Drop prompt groups whose completions all got the same reward (no signal); the kept share is logged.
     dynamic_filtering: bool = False
+    # --- rollout correction (stages/rl/rollout_correction.py; TRL's keys, for either backend) ---
+    # Importance weights between the trainer's log-probs and the sampler's. None: decided by
+    # rollout_correction.default_correction, off for today's synchronous loop.
+    vllm_importance_sampling_correction: Optional[bool] = None
+    vllm_importance_sampling_mode: Literal["token_truncate", "token_mask", "sequence_truncate",
+                                           "sequence_mask"] = "sequence_mask"
+    vllm_importance_sampling_clip_max: Optional[float] = 3.0  # None: no upper bound
+    vllm_importance_sampling_clip_min: Optional[float] = None  # None: no lower bound
+    vllm_importance_sampling_cap: Optional[float] = None  # TRL's deprecated name of clip_max
     # --- PPO (stage ppo; LLaMA-Factory's key names where it has them) ---------------------------
     ppo_epochs: int = 4  # passes over each rollout batch
     ppo_buffer_size: int = 1  # mini-batches per rollout batch: one optimizer step of each role apiece
@@ -89,6 +98,7 @@ class RLArguments:
             if getattr(self, name) < 1:
                 raise ArgumentError(name, f"{name} must be at least 1, got {getattr(self, name)}.")
         self._check_loss_variants()
+        self._check_rollout_correction()
         if self.epsilon_high is None:
             self.epsilon_high = self.epsilon
         if self.epsilon <= 0 or self.epsilon_high <= 0:
@@ -139,6 +149,43 @@ class RLArguments:
                 "overlong_penalty_factor",
                 f"overlong_penalty_factor is the largest penalty (at max_completion_length) subtracted from the "
                 f"reward, so it must be >= 0; got {self.overlong_penalty_factor}. DAPO uses 1.0.",
+            )
+
+    def _check_rollout_correction(self) -> None:
+        """TRL's rules for the vllm_importance_sampling_* keys, plus positive bounds."""
+        from .rollout_correction import default_correction
+
+        if self.vllm_importance_sampling_correction is None:
+            # The loop is synchronous today; asynchronous rollouts will pass their own flag here.
+            self.vllm_importance_sampling_correction = default_correction(asynchronous=False)
+        if self.vllm_importance_sampling_cap is not None:  # as TRL: the old name sets clip_max
+            logger.warning("vllm_importance_sampling_cap is TRL's deprecated name; use "
+                           "vllm_importance_sampling_clip_max (set from it now).")
+            self.vllm_importance_sampling_clip_max, self.vllm_importance_sampling_cap = (
+                self.vllm_importance_sampling_cap, None)
+        low, high = self.vllm_importance_sampling_clip_min, self.vllm_importance_sampling_clip_max
+        for name, bound in (("vllm_importance_sampling_clip_min", low), ("vllm_importance_sampling_clip_max", high)):
+            if bound is not None and bound <= 0:
+                raise ArgumentError(
+                    name,
+                    f"{name} bounds the importance ratio (trainer / sampler probability), which is always positive, "
+                    f"so it must be above 0 or unset (no bound on that side); got {bound}. TRL's default is "
+                    "clip_max 3.0 with no clip_min.",
+                )
+        if low is not None and high is not None and low >= high:
+            raise ArgumentError(
+                "vllm_importance_sampling_clip_min",
+                f"vllm_importance_sampling_clip_min ({low}) must be less than vllm_importance_sampling_clip_max "
+                f"({high}): they are the lower and upper bounds of the importance ratio. E.g. clip_min 0.5 with "
+                "clip_max 2.0, or leave clip_min unset.",
+            )
+        if (self.vllm_importance_sampling_correction and self.vllm_importance_sampling_mode.endswith("truncate")
+                and low is None and high is None):
+            raise ArgumentError(
+                "vllm_importance_sampling_clip_max",
+                f"vllm_importance_sampling_mode {self.vllm_importance_sampling_mode} truncates the importance ratio "
+                "to [clip_min, clip_max], but both bounds are unset, so nothing would bound it (as TRL, this is "
+                "refused). Set vllm_importance_sampling_clip_max (TRL's default 3.0) or clip_min.",
             )
 
     def check_for_stage(self, stage) -> None:

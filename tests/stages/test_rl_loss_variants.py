@@ -35,9 +35,11 @@ def random_batch(seed: int, spread: float = 1.0):
     return logp, old, adv, mask, entropy, lengths
 
 
-def trl_loss(logp, old, adv, mask, entropy, *, loss_type, level="token", epsilon_high=0.28, entropy_coef=0.0):
+def trl_loss(logp, old, adv, mask, entropy, *, loss_type, level="token", epsilon_high=0.28, entropy_coef=0.0,
+             is_ratio=None):
     """TRL's GRPOTrainer._compute_loss on a stand-in ``self``: the forward returns our log-probs and
-    entropies, one process, no accumulation, no vLLM correction, beta 0."""
+    entropies, one process, no accumulation, beta 0; the vLLM importance-sampling correction only when
+    ``is_ratio`` (its weights) is given."""
     from trl.trainer.grpo_trainer import GRPOTrainer
 
     identity = lambda x, **_: x  # noqa: E731 - gather/reduce over one process
@@ -46,7 +48,7 @@ def trl_loss(logp, old, adv, mask, entropy, *, loss_type, level="token", epsilon
         aux_loss_enabled=False, top_entropy_quantile=1.0, off_policy_mask_threshold=None,
         importance_sampling_level=level, beta=0.0, loss_type=loss_type, epsilon_low=0.2, epsilon_high=epsilon_high,
         args=SimpleNamespace(delta=None, use_bias_correction_kl=False, steps_per_generation=1),
-        use_vllm=False, vllm_importance_sampling_correction=False, model=SimpleNamespace(training=True),
+        use_vllm=is_ratio is not None, vllm_importance_sampling_correction=is_ratio is not None, model=SimpleNamespace(training=True),
         current_gradient_accumulation_steps=1, max_completion_length=MAX_LEN,
         accelerator=SimpleNamespace(num_processes=1, gather=identity, reduce=identity, sync_gradients=True),
         _entropy_bonus_enabled=entropy_coef != 0.0, entropy_coef=entropy_coef, use_adaptive_entropy=False,
@@ -56,6 +58,8 @@ def trl_loss(logp, old, adv, mask, entropy, *, loss_type, level="token", epsilon
     inputs = {"prompt_ids": torch.zeros(b, 1, dtype=torch.long), "prompt_mask": torch.ones(b, 1),
               "completion_ids": torch.zeros(b, t, dtype=torch.long), "completion_mask": mask, "advantages": adv,
               "old_per_token_logps": old, "num_items_in_batch": mask.sum()}
+    if is_ratio is not None:
+        inputs["importance_sampling_ratio"] = is_ratio
     return GRPOTrainer._compute_loss(trainer, None, inputs), trainer._metrics["train"]
 
 
