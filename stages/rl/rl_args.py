@@ -24,6 +24,15 @@ GROUP_ESTIMATORS = ("group_norm", "dr_grpo", "rloo", "reinforce_baseline",  # al
 PPO_DEFAULTS = {"advantage_estimator": "gae", "num_generations": 1, "kl_estimator": "k1", "beta": 0.2}
 
 
+def default_correction(asynchronous: bool) -> bool:
+    """Whether correction is on when the config does not say (``vllm_importance_sampling_correction``
+    left unset). The hook for asynchronous rollouts: with samples from older weights the mismatch is
+    real and NeMo-RL calls the correction required for convergence (TRL turns it on by default), so
+    an asynchronous run gets it; the synchronous loop, whose engines hold the weights being trained,
+    keeps its exact historical update. Callers pass whether the run's rollouts are asynchronous."""
+    return asynchronous
+
+
 @dataclass
 class RLArguments:
     # --- rollouts -------------------------------------------------------------------------------
@@ -61,7 +70,7 @@ class RLArguments:
     dynamic_filtering: bool = False
     # --- rollout correction (stages/rl/rollout_correction.py; TRL's keys, for either backend) ---
     # Importance weights between the trainer's log-probs and the sampler's. None: decided by
-    # rollout_correction.default_correction, off for today's synchronous loop.
+    # default_correction (above), off for today's synchronous loop.
     vllm_importance_sampling_correction: Optional[bool] = None
     vllm_importance_sampling_mode: Literal["token_truncate", "token_mask", "sequence_truncate",
                                            "sequence_mask"] = "sequence_mask"
@@ -153,8 +162,6 @@ class RLArguments:
 
     def _check_rollout_correction(self) -> None:
         """TRL's rules for the vllm_importance_sampling_* keys, plus positive bounds."""
-        from .rollout_correction import default_correction
-
         if self.vllm_importance_sampling_correction is None:
             # The loop is synchronous today; asynchronous rollouts will pass their own flag here.
             self.vllm_importance_sampling_correction = default_correction(asynchronous=False)

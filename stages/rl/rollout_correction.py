@@ -30,15 +30,6 @@ from .algorithms import kl_penalty
 MODES = ("token_truncate", "token_mask", "sequence_truncate", "sequence_mask")
 
 
-def default_correction(asynchronous: bool) -> bool:
-    """Whether correction is on when the config does not say (``vllm_importance_sampling_correction``
-    left unset). The hook for asynchronous rollouts: with samples from older weights the mismatch is
-    real and NeMo-RL calls the correction required for convergence (TRL turns it on by default), so
-    an asynchronous run gets it; the synchronous loop, whose engines hold the weights being trained,
-    keeps its exact historical update. Callers pass whether the run's rollouts are asynchronous."""
-    return asynchronous
-
-
 @dataclass(frozen=True)
 class RolloutCorrection:
     mode: str = "sequence_mask"

@@ -15,7 +15,8 @@ import torch
 
 from cluster.config import ConfigError, load_config
 from stages.rl.algorithms import loss_normalizer
-from stages.rl.rollout_correction import MODES, RolloutCorrection, default_correction, sampler_logprobs
+from stages.rl.rl_args import default_correction
+from stages.rl.rollout_correction import MODES, RolloutCorrection, sampler_logprobs
 from tests.stages.test_rl_loss_variants import GRPO, grads, ours, random_batch, trl_loss
 from tests.stages.test_rl_policy import policy, samples
 
