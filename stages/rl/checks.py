@@ -26,7 +26,9 @@ def check_ppo(run, where: Callable[[str], str]) -> None:
         raise RLConfigError(
             f"reward_model_type api in {where('reward_model_type')}: scoring through a remote reward API is not built "
             "yet. Use a reward model trained by stage rm (reward_model_type lora or full), or reward_funcs with a "
-            "function of your own that calls the API."
+            "function of your own that calls the API: a module with score = "
+            "stages.rl.remote_reward.RemoteReward(url) (or JudgeReward(url)) does it, with timeouts and retries "
+            "(docs/rl.md, 'Tools, sandbox and remote rewards')."
         )
     if tuning.reward_model_adapters:
         raise RLConfigError(

@@ -17,19 +17,17 @@ is imported on each worker, so it must be importable there (the repo root or the
 
 from __future__ import annotations
 
-import contextlib
-import importlib
-import importlib.util
 import inspect
 import math
 import numbers
 import re
-import sys
 from dataclasses import dataclass
-from typing import Any, Callable, Iterator, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 from registries.errors import UserError
 from registries.unique import add_unique
+
+from .specs import importable_from, resolve_spec  # noqa: F401  (importable_from: used from here by fabric)
 
 RewardFunc = Callable[..., Sequence[Optional[float]]]
 REWARDS: dict[str, RewardFunc] = {}
@@ -207,43 +205,9 @@ class RewardSet:
 
 
 def _resolve(spec: str, run_module: bool = True) -> Optional[RewardFunc]:
-    """The function ``spec`` names. ``run_module`` False only finds a user module's file, without
-    running it (its own imports may exist only where the job runs): None when it is there."""
-    if ":" not in spec:
-        if spec in REWARDS:
-            return REWARDS[spec]
-        raise RewardFunctionError(
-            f"Unknown reward function {spec!r}. Built-ins: {sorted(REWARDS)}; for your own, write "
-            "'module.path:function' with the module importable from the working directory.")
-    module_name, _, attr = spec.partition(":")
-    try:
-        if not run_module:
-            if importlib.util.find_spec(module_name) is None:
-                raise ModuleNotFoundError(f"No module named {module_name!r}", name=module_name)
-            return None
-        module = importlib.import_module(module_name)
-    except ModuleNotFoundError as exc:
-        if exc.name is None or not (module_name == exc.name or module_name.startswith(exc.name + ".")):
-            raise RewardFunctionError(  # the module exists; something it imports does not
-                f"Reward function {spec!r}: importing module {module_name!r} failed with ModuleNotFoundError: "
-                f"{exc}. Install that package on every node or remove the import.") from exc
-        raise RewardFunctionError(
-            f"Reward function {spec!r}: module {module_name!r} was not found ({exc}). Put it in the working "
-            "directory or the repo root (it must be importable on every worker) and check the spelling.") from exc
-    except Exception as exc:
-        raise RewardFunctionError(
-            f"Reward function {spec!r}: importing module {module_name!r} failed with {type(exc).__name__}: {exc}. "
-            "Fix the error in that module.") from exc
-    if not attr or not hasattr(module, attr):
-        raise RewardFunctionError(
-            f"Reward function {spec!r}: module {module_name!r} has no attribute {attr!r}. Write "
-            "'module.path:function' with the name of a function defined in that module.")
-    fn = getattr(module, attr)
-    if not callable(fn):
-        raise RewardFunctionError(
-            f"Reward function {spec!r}: {attr!r} in {module_name!r} is a {type(fn).__name__}, not callable. "
-            "Point the spec at a function fn(prompts, completions, **columns) -> list[float].")
-    return fn
+    """The function ``spec`` names (specs.resolve_spec's rules; None: a user module found, not run)."""
+    return resolve_spec(spec, REWARDS, "reward function", RewardFunctionError,
+                        "Point the spec at a function fn(prompts, completions, **columns) -> list[float].", run_module)
 
 
 def load_reward_funcs(specs: list[str], weights: Optional[list[float]] = None, run_modules: bool = True) -> RewardSet:
@@ -260,18 +224,3 @@ def load_reward_funcs(specs: list[str], weights: Optional[list[float]] = None, r
     if len(weights) != len(specs):
         raise RewardFunctionError(f"{len(weights)} reward_weights for {len(specs)} reward_funcs; give one each.")
     return RewardSet(specs=list(specs), funcs=[_resolve(s, run_modules) for s in specs], weights=[float(w) for w in weights])
-
-
-@contextlib.contextmanager
-def importable_from(directory: str) -> Iterator[None]:
-    """``directory`` on sys.path for the imports inside the block only. "my_rewards:score" names a
-    module in the directory the run starts from, as `python -m` would find it (the rayfactory
-    script's own sys.path lacks that directory); the process's path is left as it was."""
-    added = directory not in sys.path
-    if added:
-        sys.path.insert(0, directory)
-    try:
-        yield
-    finally:
-        if added and directory in sys.path:
-            sys.path.remove(directory)

@@ -181,7 +181,9 @@ def test_reward_api_is_not_built():
     assert error_of({**PPO, "reward_model_type": "api"}) == (
         "reward_model_type api in the config dict: scoring through a remote reward API is not built "
         "yet. Use a reward model trained by stage rm (reward_model_type lora or full), or reward_funcs with a "
-        "function of your own that calls the API."
+        "function of your own that calls the API: a module with score = "
+        "stages.rl.remote_reward.RemoteReward(url) (or JudgeReward(url)) does it, with timeouts and retries "
+        "(docs/rl.md, 'Tools, sandbox and remote rewards')."
     )
 
 

@@ -1,0 +1,200 @@
+"""Tools and environments for multi-turn rollouts: schemas, calls, the registry, module:Class specs."""
+
+import json
+import sys
+import textwrap
+
+import pytest
+
+from registries.errors import UserError
+from registries.templates.tools import FunctionCall, get_tool_format, parse_tools
+from stages.rl.environments import (
+    ENVIRONMENTS,
+    Environment,
+    EnvironmentSpecError,
+    StepResult,
+    ToolEnvironment,
+    check_step,
+    load_environment,
+)
+from stages.rl.tools import (
+    TOOLS,
+    Tool,
+    ToolError,
+    calculator,
+    evaluate,
+    load_tools,
+    observation_turn,
+    register_tool,
+    run_tool_calls,
+    tool,
+    tools_json,
+)
+
+USER_MODULE = "rf_test_user_tools"
+USER_SOURCE = '''
+from stages.rl.environments import Environment, StepResult
+from stages.rl.tools import tool
+
+
+@tool("Reverse a string.", {"type": "object", "properties": {"text": {"type": "string"}}, "required": ["text"]})
+def reverse(text):
+    return text[::-1]
+
+
+@tool("Also named reverse.", {"type": "object", "properties": {}}, name="reverse")
+def other_reverse():
+    return ""
+
+
+def plain_function(text):
+    return text
+
+
+class GuessEnv(Environment):
+    """Guess the row's number: 'higher'/'lower' until right (reward 1) or three tries (reward 0)."""
+
+    def __init__(self, tries=3):
+        self.tries = tries
+
+    def reset(self, row):
+        self.answer, self.turns = int(row["reference"]), 0
+        return [{"role": "user", "content": "Guess my number."}]
+
+    def step(self, action):
+        self.turns += 1
+        guess = int(action.strip())
+        if guess == self.answer:
+            return StepResult(None, 1.0, True)
+        if self.turns >= self.tries:
+            return StepResult(None, 0.0, True)
+        return StepResult("higher" if guess < self.answer else "lower", 0.0, False)
+'''
+
+
+@pytest.fixture
+def user_module(tmp_path, monkeypatch):
+    (tmp_path / f"{USER_MODULE}.py").write_text(textwrap.dedent(USER_SOURCE))
+    monkeypatch.syspath_prepend(str(tmp_path))
+    yield USER_MODULE
+    sys.modules.pop(USER_MODULE, None)
+
+
+@pytest.mark.parametrize("expression, value", [
+    ("2 + 3 * 4", "14"), ("(2 + 3) * 4", "20"), ("7 / 2", "3.5"), ("6 / 3", "2"), ("-2 ** 2", "-4"),
+    ("17 // 5 + 17 % 5", "5"), ("123456789 * 987654321", "121932631112635269"), ("2 ** 0.5", str(2 ** 0.5)),
+])
+def test_calculator_computes(expression, value):
+    assert calculator({"expression": expression}) == value
+
+
+@pytest.mark.parametrize("expression, error", [
+    ("__import__('os').system('true')", "only numbers"),
+    ("open('/etc/passwd')", "only numbers"),
+    ("(1).__class__", "only numbers"),
+    ("x + 1", "only numbers"),
+    ("9 ** 9 ** 9", "exponents above"),
+    ("1 / 0", "ZeroDivisionError"),
+    ("(-8) ** 0.5", "not a real number"),
+    ("1 +", "not an arithmetic expression"),
+    ("1" * 300, "longer than"),
+    ("'a' * 3", "only numbers"),
+])
+def test_calculator_refuses_anything_but_arithmetic(expression, error):
+    result = calculator({"expression": expression})
+    assert result.startswith("Error:") and error in result
+
+
+def test_evaluate_never_calls_eval():
+    with pytest.raises(ValueError, match="only numbers"):
+        evaluate("[1, 2]")
+
+
+def test_tool_calls_and_their_errors_are_observations():
+    assert calculator('{"expression": "1+1"}') == "2"
+    assert calculator("not json").startswith("Error: the arguments of calculator are not JSON")
+    assert calculator("[1]") == "Error: the arguments of calculator must be a JSON object, got list."
+    assert calculator({}) == "Error: calculator takes ['expression']; missing ['expression']."
+    assert "unknown ['x']" in calculator({"expression": "1", "x": 2})
+    calls = [FunctionCall("calculator", '{"expression": "6*7"}'), FunctionCall("search", "{}")]
+    results = run_tool_calls(calls, [calculator])
+    assert results == ["42", "Error: there is no tool 'search'; the tools are ['calculator']."]
+    assert observation_turn(results) == {"role": "observation", "content": "42\n" + results[1]}
+
+
+def test_the_python_tool_runs_in_the_sandbox():
+    assert TOOLS["python"]({"code": "print(sum(range(10)))"}) == "45\n"
+    failed = TOOLS["python"]({"code": "1/0"})
+    assert "ZeroDivisionError" in failed
+    assert TOOLS["python"]({"code": "x = 1"}) == "(no output)"
+
+
+def test_schemas_render_through_every_template_tool_format():
+    text = tools_json([calculator, TOOLS["python"]])
+    assert [t["function"]["name"] for t in json.loads(text)] == ["calculator", "python"]
+    assert parse_tools(text) == json.loads(text)
+    for fmt in ("default", "qwen", "llama3"):
+        rendered = get_tool_format(fmt).format_tools(parse_tools(text))
+        assert "calculator" in rendered and "python" in rendered
+
+
+def test_a_qwen_reply_round_trips_to_an_observation():
+    fmt = get_tool_format("qwen")
+    reply = fmt.format_calls([FunctionCall("calculator", '{"expression": "12*12"}')])
+    env = ToolEnvironment([calculator], fmt.extract_calls)
+    assert env.reset({"prompt": "What is 12*12?", "reference": "144"}) == "What is 12*12?"
+    assert env.step(reply) == StepResult("144", 0.0, False)
+    assert env.step("The answer is 144.") == StepResult(None, 0.0, True)
+
+
+def test_registry_rejects_duplicates_and_bad_tools():
+    with pytest.raises(ValueError, match="already registered"):
+        register_tool(calculator)
+    with pytest.raises(ValueError, match="takes a Tool"):
+        register_tool(lambda: 1)
+    bad = Tool("a:b", "", {"type": "object"}, lambda: "")
+    with pytest.raises(ValueError, match="free of ':'"):
+        register_tool(bad)
+    with pytest.raises(ToolError, match="JSON schema object"):
+        tool("no schema", {"properties": {}})
+
+
+def test_load_tools_from_builtins_and_modules(user_module):
+    tools = load_tools(["calculator", f"{user_module}:reverse"])
+    assert [t.name for t in tools] == ["calculator", "reverse"]
+    assert tools[1]({"text": "abc"}) == "cba"
+    with pytest.raises(ToolError, match=r"give the names \['reverse'\] more than once"):
+        load_tools([f"{user_module}:reverse", f"{user_module}:other_reverse"])
+    with pytest.raises(ToolError, match="is a function, not a Tool"):
+        load_tools([f"{user_module}:plain_function"])
+    with pytest.raises(ToolError, match=r"Unknown tool 'nope'\. Built-ins: \['calculator', 'python'"):
+        load_tools(["nope"])
+    with pytest.raises(ToolError, match="module 'rf_no_such_module' was not found") as info:
+        load_tools(["rf_no_such_module:x"])
+    assert isinstance(info.value, UserError)
+    assert load_tools([f"{user_module}:reverse"], run_modules=False) == []  # found, not run
+
+
+def test_a_user_environment_from_module_class(user_module):
+    env = load_environment(f"{user_module}:GuessEnv")(tries=3)
+    assert isinstance(env, Environment)
+    assert env.reset({"prompt": "", "reference": "7"}) == [{"role": "user", "content": "Guess my number."}]
+    observation, reward, done = env.step("3")
+    assert (observation, reward, done) == ("higher", 0.0, False)
+    assert env.step("9") == ("lower", 0.0, False)
+    assert env.step("7") == (None, 1.0, True)
+    assert load_environment("tools") is ToolEnvironment and "tools" in ENVIRONMENTS
+
+
+def test_environment_errors_name_the_spec(user_module):
+    with pytest.raises(EnvironmentSpecError, match=r"Unknown environment 'nope'.*'module\.path:Class'"):
+        load_environment("nope")
+    with pytest.raises(EnvironmentSpecError, match=f"'{user_module}:Missing': module '{user_module}' has no"):
+        load_environment(f"{user_module}:Missing")
+    with pytest.raises(EnvironmentSpecError, match="needs the row's 'prompt'"):
+        ToolEnvironment([], lambda r: r).reset({"question": "?"})
+    assert check_step("e", ("obs", 1, 0)) == StepResult("obs", 1.0, False)
+    with pytest.raises(EnvironmentSpecError, match=r"Environment 'e': step\(\) returned 3"):
+        check_step("e", 3)
+    with pytest.raises(EnvironmentSpecError, match="observation of type dict"):
+        check_step("e", ({"a": 1}, 0.0, False))
