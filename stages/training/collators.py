@@ -181,15 +181,16 @@ class PaddingFreeCollator(PaddingCollator):
         labels = [list(map(int, row)) for row in labels]
         longest = max(map(len, ids))
         width = sum(map(len, ids)) if self.one_row else max(self.row_width or longest, longest)
-        placement = _first_fit([len(row) for row in ids], width)
         rows: list[dict[str, list[int]]] = []
-        for index in placement:
+        owners: list[list[int]] = []  # each token's example, for sequence_ids
+        for index in _first_fit([len(row) for row in ids], width):
             row = {"input_ids": [], "labels": [], "position_ids": []}
             for i in index:
                 row["input_ids"] += ids[i]
                 row["labels"] += [IGNORE_INDEX] + labels[i][1:]
                 row["position_ids"] += list(range(len(ids[i])))
             rows.append(row)
+            owners.append([i for i in index for _ in range(len(ids[i]))])
         batch = self.collate_columns({key: [row[key] for row in rows] for key in rows[0]})
         # Pads after the last example: positions 0.. of their own, so they form one more block
         # (never attended to by a real token, and their labels are ignored).
@@ -197,13 +198,7 @@ class PaddingFreeCollator(PaddingCollator):
         tail = torch.arange(batch["input_ids"].shape[1]) - lengths[:, None]
         batch["position_ids"] = torch.where(tail >= 0, tail, batch["position_ids"])
         if number_sequences:
-            owners = torch.full(batch["input_ids"].shape, -1, dtype=torch.long)
-            for r, index in enumerate(placement):
-                at = 0
-                for i in index:
-                    owners[r, at : at + len(ids[i])] = i
-                    at += len(ids[i])
-            batch["sequence_ids"] = owners
+            batch["sequence_ids"] = pad_rows(owners, -1, length=batch["input_ids"].shape[1])
         return batch
 
 

@@ -287,3 +287,13 @@ def test_under_bf16_a_separate_reference_computes_as_the_policy_does(tmp_path):
     loss, metrics = trainer.batch_loss(wrapped, PairwiseCollator(pad_token_id=0)(pairs()))
     assert metrics["rewards/chosen"] == 0.0 and metrics["rewards/rejected"] == 0.0
     assert loss.item() == pytest.approx(0.6931471805599453, abs=1e-7)
+
+
+def test_sequence_ids_follow_each_example_into_its_row_and_mark_pads():
+    ids = [[1, 2, 3], [4, 5], [6, 7, 8, 9], [10]]
+    batch = PaddingFreeCollator(pad_token_id=0, row_width=5).lay_out(ids, ids, number_sequences=True)
+    assert batch["input_ids"].tolist() == [[6, 7, 8, 9, 10], [1, 2, 3, 4, 5]]
+    assert batch["sequence_ids"].tolist() == [[2, 2, 2, 2, 3], [0, 0, 0, 1, 1]]
+    tail = PaddingFreeCollator(pad_token_id=0, row_width=4).lay_out(ids[:2], ids[:2], number_sequences=True)
+    assert tail["sequence_ids"].tolist() == [[0, 0, 0], [1, 1, -1]]
+    assert "sequence_ids" not in PaddingFreeCollator(pad_token_id=0).lay_out(ids, ids)  # sft's batches go to forward()
