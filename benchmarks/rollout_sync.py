@@ -13,6 +13,11 @@ For each model (``tiny``: the Qwen2-style test model, hidden 64, head_dim 32, 0.
   runs in this process on one torch thread, all 128 sequences in one left-padded batch.
 * **sync**: ``ObjectStoreSync().push(model, [engine])`` of the fp32 weights: export + safetensors
   + ray.put + the engine's reload (``load``); the median of ``--repeats`` pushes, and per MB.
+* **LoRA sync** (second table): a LoRA r16 policy on every linear layer, pushed merged (the full
+  weights, as ``rollout_lora_sync: merged``) and as the adapter alone (``rollout_lora_sync:
+  adapter``, into an engine built with ``rollout_lora_rank``); medians of ``--repeats`` pushes,
+  and the rollout tokens/s of that engine through the adapter (vLLM's CPU LoRA kernels) against
+  the plain engine's.
 """
 
 from __future__ import annotations
@@ -91,6 +96,51 @@ def bench_model(name: str, repeats: int) -> dict:
                 load_s=statistics.median(p.load_seconds for p in pushes), s_per_mb=sync_s / mb)
 
 
+LORA_COLUMNS = [
+    ("model", "model", "{}"), ("merged push", "merged_mb", "{:.1f} MB"), ("merged sync", "merged_s", "{:.3f} s"),
+    ("adapter push", "adapter_mb", "{:.2f} MB"), ("adapter sync", "adapter_s", "{:.3f} s"),
+    ("sync ratio", "ratio", "{:.1f}x"), ("tokens/s through the adapter", "lora_tps", "{:,.0f}"),
+    ("tokens/s plain", "plain_tps", "{:,.0f}"),
+]
+
+
+def bench_lora(name: str, repeats: int, plain_tps: float) -> dict:
+    import ray
+    import torch
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    from fabric.rollout import engine_runtime_env
+    from fabric.weight_sync import ObjectStoreSync
+    from registries.models.tiny import tiny_model_path
+    from stages.engines.types import SamplingSpec
+    from stages.engines.vllm_backend import VLLMEngine, VLLMEngineConfig
+
+    path = tiny_model_path("qwen2", **MODELS[name])
+    torch.manual_seed(0)
+    policy = get_peft_model(AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32),
+                            LoraConfig(r=16, lora_alpha=32, target_modules="all-linear", init_lora_weights=False))
+    config = VLLMEngineConfig(model_path=str(path), kv_cache_bytes=256 << 20, max_model_len=PROMPT_LEN + NEW_TOKENS,
+                              rollout_lora_rank=16)
+    engine = ray.remote(VLLMEngine).options(num_cpus=1, runtime_env=engine_runtime_env()).remote(config)
+    ray.get(engine.ready.remote())
+    merged = [ObjectStoreSync().push(policy, [engine]) for _ in range(repeats + 1)][1:]
+    adapter = [ObjectStoreSync(payload="adapter").push(policy, [engine]) for _ in range(repeats + 1)][1:]
+    generator = torch.Generator().manual_seed(0)
+    prompts = torch.randint(10, policy.config.vocab_size, (PROMPTS, PROMPT_LEN), generator=generator).tolist()
+    spec = SamplingSpec(n=N, temperature=1.0, max_tokens=NEW_TOKENS, seed=0)
+    times = []
+    for _ in range(repeats + 1):
+        t = time.perf_counter()
+        ray.get(engine.generate_batch.remote(prompts, spec))
+        times.append(time.perf_counter() - t)
+    ray.kill(engine)
+    merged_s, adapter_s = statistics.median(p.seconds for p in merged), statistics.median(p.seconds for p in adapter)
+    return dict(model=name, merged_mb=merged[0].bytes / 2**20, merged_s=merged_s, adapter_mb=adapter[0].bytes / 2**20,
+                adapter_s=adapter_s, ratio=merged_s / adapter_s, lora_tps=PROMPTS * N * NEW_TOKENS / min(times[1:]),
+                plain_tps=plain_tps)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--models", default=",".join(MODELS), help=f"comma-separated, of {list(MODELS)}")
@@ -102,8 +152,11 @@ def main() -> None:
 
     connect(RayArguments(ray_num_cpus=4))
     results = [bench_model(name, args.repeats) for name in args.models.split(",")]
+    lora = [bench_lora(r["model"], args.repeats, r["vllm_tps"]) for r in results]
     print(f"\n{machine_line()}\n")
     print(format_table(results, COLUMNS))
+    print()
+    print(format_table(lora, LORA_COLUMNS))
 
 
 if __name__ == "__main__":

@@ -75,6 +75,14 @@ def check_rl(run, where: Callable[[str], str], local: bool = True) -> None:
             "completion of a prompt the same, so no group has anything to compare. Use temperature: 1.0 "
             "(or 0.6-1.0)."
         )
+    if run.rl.vllm_importance_sampling_correction and run.generating.temperature != 1.0 and run.rl.correction_by_default:
+        raise ConfigError(
+            f"async_rollout {run.rl.async_rollout} in {where('async_rollout')} turns rollout correction on by default "
+            "(importance weights for samples drawn from older weights), but it needs temperature 1.0: the engines "
+            f"report raw log-probs while the trainer's are of the temperature-{run.generating.temperature} "
+            "distribution. Use temperature: 1.0, or set vllm_importance_sampling_correction: false to train on "
+            "stale samples uncorrected."
+        )
     if run.rl.vllm_importance_sampling_correction and run.generating.temperature != 1.0:
         raise ConfigError(
             f"vllm_importance_sampling_correction in {where('vllm_importance_sampling_correction')} with "
@@ -83,6 +91,8 @@ def check_rl(run, where: Callable[[str], str], local: bool = True) -> None:
             "mismatch and the weights would be wrong. Use temperature: 1.0, or vllm_importance_sampling_correction: "
             "false."
         )
+    if run.rl.rollout_lora_sync == "adapter":
+        _check_adapter_sync(run, where)
     completions, ranks = run.rl.completions_per_step, run.ray.ray_num_workers
     if completions < ranks:
         raise ConfigError(
@@ -90,4 +100,24 @@ def check_rl(run, where: Callable[[str], str], local: bool = True) -> None:
             f"{completions} completions a step cannot be shared by ray_num_workers {ranks} policy workers "
             f"(each needs at least one). Raise rollout_batch_size (in {where('rollout_batch_size')}) or lower "
             "ray_num_workers."
+        )
+
+
+def _check_adapter_sync(run, where: Callable[[str], str]) -> None:
+    """rollout_lora_sync adapter: the engines serve the policy's adapter through vLLM's LoRA
+    support, which takes plain LoRA on linear layers only."""
+    finetuning = run.finetuning
+    problem = None
+    if finetuning.finetuning_type != "lora":
+        problem = f"finetuning_type is {finetuning.finetuning_type}, so there is no adapter to push"
+    elif run.rl.rollout_backend != "vllm":
+        problem = "rollout_backend is hf, whose policy workers sample from their own weights (nothing is pushed)"
+    elif finetuning.use_dora:
+        problem = "use_dora is set, and vLLM serves plain LoRA adapters only"
+    elif finetuning.additional_target:
+        problem = "additional_target trains whole modules beside the adapter, which vLLM's LoRA cannot serve"
+    if problem:
+        raise ConfigError(
+            f"rollout_lora_sync adapter in {where('rollout_lora_sync')}: {problem}. Use rollout_lora_sync: merged "
+            "(the adapter merged into a full copy of the weights, which works for every policy)."
         )

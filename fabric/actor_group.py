@@ -200,6 +200,21 @@ def _guarded(worker_cls: type[W]) -> type[W]:
     return Guarded
 
 
+class RayPending:
+    """Calls already sent to actors, waited for later: ``result()`` gathers them (a failure raised
+    as ``gather`` raises it) and hands the results to ``finish``; ``done()`` never blocks."""
+
+    def __init__(self, refs: list, finish: Callable[[list], Any] = lambda results: results):
+        self.refs, self.finish = list(refs), finish
+
+    def done(self) -> bool:
+        ready, _ = ray.wait(self.refs, num_returns=len(self.refs), timeout=0)
+        return len(ready) == len(self.refs)
+
+    def result(self):
+        return self.finish(gather(self.refs) if self.refs else [])
+
+
 def gather(refs, timeout: float | None = None):
     """``ray.get``, except that a UserError raised in an actor is raised here as itself (so the CLI
     prints its message); Ray's wrapper, with the remote traceback, is kept as its ``__cause__``."""

@@ -90,9 +90,11 @@ def _attempt(run: RLRun, ray_args: RayArguments) -> dict:
         critic = _trainable_group(CriticActor, placements["critic"], spec, ray_args, groups) if "critic" in placements else None
         # The roles take turns (sample, score, update): a lone CPU policy beside no critic computes
         # alone while it updates, so it takes the node's cores (a GRPO step on SmolLM2: see
-        # benchmarks/README.md); with a critic the two update side by side and keep their share.
+        # benchmarks/README.md); with a critic the two update side by side and keep their share,
+        # and so do asynchronous rollouts, where the engines generate while the policy updates.
         policy.call_all(PolicyActor.set_threads, ray_args.ray_threads_per_worker,
-                        whole_node=not ray_args.uses_gpu and policy.size == 1 and critic is None)
+                        whole_node=(not ray_args.uses_gpu and policy.size == 1 and critic is None
+                                    and not spec.rl.asynchronous))
         reward = None
         if "reward" in placements:
             reward = ActorGroup(RewardActor, placements["reward"], spec, name="reward")
@@ -174,9 +176,10 @@ def _start_engines(spec: JobSpec, ray_args: RayArguments, placement):
         tensor_parallel_size=ray_args.rollout_tensor_parallel_size,
         gpu_memory_utilization=rl.vllm_gpu_memory_utilization or (
             COLOCATED_GPU_SHARE if (ray_args.colocate_rollout or ray_args.colocate_all) and ray_args.uses_gpu else None),
+        rollout_lora_rank=spec.finetuning.lora_rank if rl.rollout_lora_sync == "adapter" else None,
     )
     engines = ActorGroup(RolloutActor, placement, config, env_vars=engine_runtime_env()["env_vars"], name="rollout")
-    return engines, ObjectStoreSync()
+    return engines, ObjectStoreSync(payload="full" if rl.rollout_lora_sync == "merged" else "adapter")
 
 
 def prompt_rows(dataset: "ray.data.Dataset", tokenizer) -> list[PromptRow]:

@@ -21,11 +21,11 @@ from typing import Optional
 from stages.rl.critic import CriticWorker
 from stages.rl.policy import PolicyWorker
 from stages.rl.reward_model import RewardModelWorker
-from stages.rl.roles import PPORoles
+from stages.rl.roles import Generation, PPORoles
 from stages.engines.types import Completion, SamplingSpec
 from stages.rl.types import RolloutSample
 
-from .actor_group import ActorGroup, RoleWorker, concat, gather, split_evenly
+from .actor_group import ActorGroup, RayPending, RoleWorker, concat, gather, split_evenly
 
 
 class PolicyActor(RoleWorker, PolicyWorker):
@@ -51,22 +51,35 @@ class RayRoles(PPORoles):
         self.policy_size = policy.size
 
     def generate(self, prompt_ids: list[list[int]], sampling: SamplingSpec) -> list[Completion]:
+        return self.generate_async(prompt_ids, sampling).result().completions
+
+    def generate_async(self, prompt_ids: list[list[int]], sampling: SamplingSpec) -> RayPending:
+        """Each actor gets a contiguous shard; the result numbers prompts across the whole batch and
+        spans the engines' busy time (none for the HF backend, whose generate is untimed)."""
         if self.engines is not None:
             from .rollout import RolloutActor
 
-            group, method = self.engines, RolloutActor.generate_batch
+            timed = True
+            shards = split_evenly(prompt_ids, self.engines.size)
+            refs = self.engines.scatter_async(RolloutActor.generate_timed, shards, sampling)
         else:
-            group, method = self.policy, PolicyActor.generate_batch
-        shards = split_evenly(prompt_ids, group.size)
-        results = group.scatter(method, shards, sampling)
-        out: list[Completion] = []
-        offset = 0
-        for shard, completions in zip(shards, results):
-            for c in completions:  # each actor numbered its own prompts from 0
-                c.prompt_index += offset
-            out += completions
-            offset += len(shard)
-        return out
+            timed = False
+            shards = split_evenly(prompt_ids, self.policy.size)
+            refs = self.policy.scatter_async(PolicyActor.generate_batch, shards, sampling)
+
+        def finish(results: list) -> Generation:
+            out: list[Completion] = []
+            spans = [(start, end) for _, start, end in results] if timed else []
+            offset = 0
+            for shard, result in zip(shards, results):
+                for c in result[0] if timed else result:  # each actor numbered its own prompts from 0
+                    c.prompt_index += offset
+                    out.append(c)
+                offset += len(shard)
+            busy = (min(s for s, _ in spans), max(e for _, e in spans)) if spans else None
+            return Generation(out, busy)
+
+        return RayPending(refs, finish)
 
     def policy_logprobs(self, samples: list[RolloutSample]) -> list[list[float]]:
         return concat(self.policy.scatter(PolicyActor.logprobs, split_evenly(samples, self.policy.size)))
@@ -79,11 +92,22 @@ class RayRoles(PPORoles):
         return _merge_reports(reports)
 
     def sync_weights(self) -> dict[str, float]:
+        return self.push_weights().result()
+
+    def push_weights(self) -> RayPending:
+        """Rank 0 exports the weights (in the object store, never through the driver) and every
+        engine loads them, each as its next call. A transport that cannot be left running (NCCL: a
+        collective the sender joins) completes here, before returning."""
         if self.engines is None:  # HF generate samples from the trained weights themselves
-            return {}
-        blob = self.policy.call_rank0_async(PolicyActor.export_weights)  # stays in the object store
-        stats = self.weight_sync.push(blob, self.engines.actors)
-        return {"time/sync_load": stats.load_seconds}
+            return RayPending([], lambda _: {})
+        export = PolicyActor.export_adapter if getattr(self.weight_sync, "payload", "full") == "adapter" \
+            else PolicyActor.export_weights
+        blob = self.policy.call_rank0_async(export)  # stays in the object store
+        start = getattr(self.weight_sync, "start", None)
+        if start is None:
+            stats = self.weight_sync.push(blob, self.engines.actors)
+            return RayPending([], lambda _: {"time/sync_load": stats.load_seconds})
+        return RayPending(start(blob, self.engines.actors), lambda loads: {"time/sync_load": max(loads, default=0.0)})
 
     def critic_values(self, samples: list[RolloutSample]) -> list[list[float]]:
         return concat(self.critic.scatter(CriticActor.values, split_evenly(samples, self.critic.size)))

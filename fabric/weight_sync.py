@@ -23,7 +23,7 @@ from typing import Mapping, Optional, Protocol, Sequence, Union
 import ray
 import torch
 
-from stages.rl.weights import export_state_dict, state_dict_to_bytes
+from stages.rl.weights import export_adapter, export_state_dict, state_dict_to_bytes
 
 Weights = Union[torch.nn.Module, Mapping[str, torch.Tensor], bytes, "ray.ObjectRef"]
 
@@ -46,16 +46,31 @@ class ObjectStoreSync:
     ``weights``: the policy model (exported with ``export_state_dict``: a LoRA adapter is merged
     in), a state dict, its ``state_dict_to_bytes`` bytes, or an ObjectRef of those bytes (e.g.
     made by the policy worker, so the driver never holds them). ``dtype`` casts on export
-    (ship bf16 to bf16 engines: half the bytes of fp32).
+    (ship bf16 to bf16 engines: half the bytes of fp32). ``payload="adapter"``: a LoRA policy's
+    adapter alone (``export_adapter``), which engines built with ``rollout_lora_rank`` serve beside
+    their base (``load_adapter``): bytes per push scale with the adapter, not the model.
     """
 
-    def __init__(self, dtype: Optional[torch.dtype] = None):
+    def __init__(self, dtype: Optional[torch.dtype] = None, payload: str = "full"):
+        if payload not in ("full", "adapter"):
+            raise ValueError(f"payload must be 'full' or 'adapter', got {payload!r}")
         self.dtype = dtype
+        self.payload = payload  # adapter: a LoRA adapter alone, served beside the engines' untouched base
 
     def push(self, weights: Weights, engines: Sequence) -> SyncStats:
         start = time.perf_counter()
+        size, loads = self._send(weights, engines)
+        return SyncStats(size, time.perf_counter() - start, max(ray.get(loads), default=0.0))
+
+    def start(self, weights: Weights, engines: Sequence) -> list:
+        """``push`` without waiting: the engines' ``load_weights`` calls (ObjectRefs of their seconds),
+        queued behind whatever each engine was already sent."""
+        return self._send(weights, engines)[1]
+
+    def _send(self, weights: Weights, engines: Sequence) -> tuple[Optional[int], list]:
         if isinstance(weights, torch.nn.Module):
-            weights = export_state_dict(weights, dtype=self.dtype)
+            weights = (export_adapter(weights, dtype=self.dtype) if self.payload == "adapter"
+                       else export_state_dict(weights, dtype=self.dtype))
         if isinstance(weights, Mapping):
             weights = state_dict_to_bytes(weights)
         size = None
@@ -64,8 +79,8 @@ class ObjectStoreSync:
             weights = ray.put(bytes(weights))
         elif not isinstance(weights, ray.ObjectRef):
             raise TypeError(f"cannot push {type(weights).__name__}: give a model, a state dict, bytes or an ObjectRef")
-        loads = ray.get([engine.load_weights.remote(weights) for engine in engines])
-        return SyncStats(size, time.perf_counter() - start, max(loads, default=0.0))
+        load = "load_adapter" if self.payload == "adapter" else "load_weights"
+        return size, [getattr(engine, load).remote(weights) for engine in engines]
 
 
 class NcclBroadcastSync:

@@ -28,6 +28,7 @@ from typing import AsyncIterator, Optional
 from registries.errors import UserError
 
 from .types import Completion, GenerationRequest, SamplingSpec, StreamDelta, check_prompt_fits, collect
+from .vllm_adapters import AdapterReceiver, engine_lora_rank
 
 # vLLM imports this by name inside its worker process and mixes it into the worker class.
 WEIGHT_RECEIVER = "stages.engines.vllm_weights.WeightReceiver"
@@ -84,10 +85,11 @@ class VLLMEngineConfig:
     default_adapter: Optional[str] = None  # serves requests that name none (None: the bare base)
     max_lora_rank: int = 16
     max_loras: int = 1
+    rollout_lora_rank: Optional[int] = None  # set: rollouts sample through adapters pushed by load_adapter
     extra: dict = field(default_factory=dict)
 
 
-class VLLMEngine:
+class VLLMEngine(AdapterReceiver):
     """One vLLM engine. Plain class: the RL launcher makes it a Ray actor."""
 
     name = "vllm"
@@ -146,7 +148,7 @@ class VLLMEngine:
         params = [_sampling_params(sampling, sampling.max_tokens, sampling.n // copies,
                                    None if sampling.seed is None else sampling.seed + k * sampling.n)
                   for k in range(len(prompts))]
-        outputs = self.llm.generate(prompts, params, use_tqdm=False)
+        outputs = self.llm.generate(prompts, params, use_tqdm=False, lora_request=self.rollout_lora)
         completions = []
         for prompt_index, output in enumerate(outputs):  # LLM.generate returns them in request order
             for sample in sorted(output.outputs, key=lambda s: s.index):
@@ -274,6 +276,8 @@ def _engine_args(config: VLLMEngineConfig) -> dict:
     if config.loras:
         args.update(enable_lora=True, max_lora_rank=config.max_lora_rank,
                     max_loras=min(config.max_loras, len(config.loras)))
+    if config.rollout_lora_rank:  # one adapter at a time, the policy's newest
+        args.update(enable_lora=True, max_lora_rank=engine_lora_rank(config.rollout_lora_rank), max_loras=1)
     args.update(config.extra)  # the user's own engine arguments win
     return args
 

@@ -17,8 +17,8 @@ import logging
 import torch
 
 from stages.rl.algorithms import compute_advantages, loss_normalizer, uniform_groups
-from stages.rl.loop import (RunProgress, count_steps, greedy_samples, reward_columns, rollout, rollout_logprob_gap,
-                      sampling_spec)
+from stages.rl.loop import RunProgress, count_steps, reward_columns, rollout_logprob_gap
+from stages.rl.rollouts import greedy_samples, sampling_spec
 from stages.rl.overlong import with_overlong_penalty
 from stages.rl.ppo_math import token_rewards
 from stages.rl.reinforce_pp import ESTIMATORS as REINFORCE_PP, reinforce_pp_advantages
@@ -36,11 +36,11 @@ def run_grpo(run: RLRun) -> dict:
     spec, rl, roles = run.spec, run.spec.rl, run.roles
     rewards = load_reward_funcs(rl.reward_funcs, rl.reward_weights)
     sampling = sampling_spec(run)
-    progress = RunProgress(run, count_steps(len(run.prompts), rl.rollout_batch_size, spec.training),
+    progress = RunProgress(run, count_steps(len(run.prompts), rl.rollout_batch_size, spec.training), sampling,
                            evaluate=_evaluator(run, rewards, sampling))
     for step, batch in progress.steps(rl.rollout_batch_size):
         timer = PhaseTimer()
-        samples = rollout(run, batch, sampling, step, timer)
+        samples = progress.rollout(step, batch, timer)
         with timer("reward"):
             scores = rewards.score(
                 [batch[s.group].prompt_text for s in samples],

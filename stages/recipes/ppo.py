@@ -22,8 +22,8 @@ import random
 import torch
 
 from stages.rl.algorithms import compute_advantages, kl_penalty, loss_normalizer
-from stages.rl.loop import (RunProgress, count_steps, greedy_samples, reward_columns, rollout, rollout_logprob_gap,
-                      sampling_spec, split_evenly)
+from stages.rl.loop import RunProgress, count_steps, reward_columns, rollout_logprob_gap, split_evenly
+from stages.rl.rollouts import greedy_samples, sampling_spec
 from stages.rl.overlong import with_overlong_penalty
 from stages.rl.ppo_math import RunningMoments, gae, kl_controller, normalize_scores, token_rewards
 from stages.rl.reinforce_pp import ESTIMATORS as REINFORCE_PP, reinforce_pp_advantages
@@ -41,7 +41,7 @@ def run_ppo(run: RLRun) -> dict:
     spec, rl, roles = run.spec, run.spec.rl, run.roles
     score = Scorer(run)
     sampling = sampling_spec(run)
-    progress = RunProgress(run, count_steps(len(run.prompts), rl.rollout_batch_size, spec.training),
+    progress = RunProgress(run, count_steps(len(run.prompts), rl.rollout_batch_size, spec.training), sampling,
                            evaluate=lambda: score.evaluate(sampling))
     kl_ctl = kl_controller(rl.beta, rl.ppo_target if rl.adaptive_kl else None, rl.kl_horizon)
     moments = RunningMoments() if rl.ppo_score_norm else None
@@ -58,7 +58,7 @@ def run_ppo(run: RLRun) -> dict:
 
     for step, batch in progress.steps(rl.rollout_batch_size):
         timer = PhaseTimer()
-        samples = rollout(run, batch, sampling, step, timer)
+        samples = progress.rollout(step, batch, timer)
         with timer("reward"):
             scores, values = score(batch, samples)
         scores_t, shaping = with_overlong_penalty(torch.tensor(scores, dtype=torch.float32), samples, rl)

@@ -12,10 +12,11 @@ from __future__ import annotations
 
 import logging
 import os
-from typing import TYPE_CHECKING, Sequence
+from typing import TYPE_CHECKING, Optional, Sequence
 
 import torch
 
+from .logprobs import budget_slices
 from .trainable import TrainableRole, completion_mask, pad_rows, sample_ids
 from .types import RolloutSample
 
@@ -77,7 +78,8 @@ class CriticWorker(TrainableRole):
     def values(self, samples: list[RolloutSample]) -> list[list[float]]:
         """The critic's value before each completion token (no gradient)."""
         with torch.no_grad():
-            out = completion_values(self.model, *sample_ids(samples), self.pad_token_id)
+            out = completion_values(self.model, *sample_ids(samples), self.pad_token_id,
+                                    max_tokens=self.spec.rl.max_tokens_per_micro_batch)
         return [v.tolist() for v in out]
 
     def update(self, samples: list[RolloutSample], normalizer: float) -> dict:
@@ -104,18 +106,21 @@ class CriticWorker(TrainableRole):
 
 
 def completion_values(model, prompt_ids: Sequence[Sequence[int]], completion_ids: Sequence[Sequence[int]],
-                      pad_token_id: int, micro_batch_size: int = 16) -> list[torch.Tensor]:
+                      pad_token_id: int, micro_batch_size: int = 16,
+                      max_tokens: Optional[int] = None) -> list[torch.Tensor]:
     """One 1-D float32 tensor per completion: the value head's output at the position before each
     completion token (the state the token was chosen in), as the log-probs are aligned.
 
     ``model`` is a ValueHeadModel, or one wrapped in DDP. Rows are right-padded with an attention
-    mask, so real tokens keep positions 0..len-1.
+    mask, so real tokens keep positions 0..len-1. ``max_tokens``: micro-batches by a budget of
+    padded tokens instead of ``micro_batch_size`` rows.
     """
     device = next(model.parameters()).device
     results: list[torch.Tensor] = []
-    for start in range(0, len(prompt_ids), micro_batch_size):
-        rows = [list(p) + list(c) for p, c in zip(prompt_ids[start : start + micro_batch_size],
-                                                  completion_ids[start : start + micro_batch_size])]
+    lengths = [len(p) + len(c) for p, c in zip(prompt_ids, completion_ids)]
+    for part in budget_slices(lengths, micro_batch_size, max_tokens):
+        start = part.start
+        rows = [list(p) + list(c) for p, c in zip(prompt_ids[part], completion_ids[part])]
         width = max(len(r) for r in rows)
         input_ids = torch.full((len(rows), width), pad_token_id, dtype=torch.long)
         mask = torch.zeros((len(rows), width), dtype=torch.long)

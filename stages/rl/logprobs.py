@@ -8,7 +8,7 @@ model may be a transformers causal LM, a peft ``PeftModel`` or either wrapped in
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Optional, Sequence
 
 import torch
 
@@ -49,6 +49,25 @@ def token_logprobs(logits: torch.Tensor, ids: torch.Tensor, temperature: float =
     return out
 
 
+def budget_slices(lengths: list[int], max_rows: int, max_tokens: Optional[int] = None) -> list[slice]:
+    """Consecutive micro-batches of sequences with these ``lengths``: at most ``max_rows`` each
+    or, with a token budget (``max_tokens_per_micro_batch``, verl's per-GPU token cap), as many as
+    fit ``max_tokens`` padded tokens (rows x the longest), a longer sequence alone. Consecutive, so
+    per-sample results come back in order; callers that may reorder sort by length first."""
+    if not max_tokens:
+        return [slice(i, i + max_rows) for i in range(0, len(lengths), max_rows)]
+    parts, start, longest = [], 0, 0
+    for i, length in enumerate(lengths):
+        wider = max(longest, length)
+        if i > start and wider * (i - start + 1) > max_tokens:
+            parts.append(slice(start, i))
+            start, wider = i, length
+        longest = wider
+    if lengths:
+        parts.append(slice(start, len(lengths)))
+    return parts
+
+
 def completion_logprobs(
     model,
     prompt_ids: Sequence[Sequence[int]],
@@ -57,6 +76,7 @@ def completion_logprobs(
     temperature: float = 1.0,
     micro_batch_size: int = 16,
     with_entropy: bool = False,
+    max_tokens: Optional[int] = None,
 ):
     """One 1-D float32 tensor per completion: ``log p(c_t | prompt, c_<t)`` under
     ``logits / temperature``, for every token ``c_t`` of the completion.
@@ -68,6 +88,7 @@ def completion_logprobs(
     for the loss (every micro-batch's graph then stays alive until the caller's backward).
     ``temperature`` <= 0 (greedy sampling) is treated as 1. ``with_entropy``: returns
     ``(logprobs, entropies)``, two such lists, the second each position's distribution entropy.
+    ``max_tokens``: micro-batches by a budget of padded tokens instead of ``micro_batch_size`` rows.
     """
     if len(prompt_ids) != len(completion_ids):
         raise ValueError(f"{len(prompt_ids)} prompts but {len(completion_ids)} completions")
@@ -79,8 +100,8 @@ def completion_logprobs(
     order = sorted(range(len(total)), key=total.__getitem__)
     results: list[torch.Tensor] = [torch.zeros(0)] * len(total)
     entropies: list[torch.Tensor] = [torch.zeros(0)] * len(total)
-    for start in range(0, len(order), micro_batch_size):
-        batch = order[start : start + micro_batch_size]
+    for part in budget_slices([total[i] for i in order], micro_batch_size, max_tokens):
+        batch = order[part]
         width = max(total[i] for i in batch)
         input_ids = torch.full((len(batch), width), pad_token_id, dtype=torch.long)
         mask = torch.zeros((len(batch), width), dtype=torch.long)

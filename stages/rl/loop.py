@@ -20,9 +20,10 @@ from stages.training.callbacks import truncate_log
 from stages.training.checkpoints import commit_checkpoint, staging_folder, uncommit_after
 from . import checkpoint as ckpt
 from .roles import PromptRow, RLRun
+from .rollouts import RolloutSource
 from .steplog import PhaseTimer, StepLog, write_results
 from .trackers import StepReporter
-from ..engines.types import Completion, SamplingSpec
+from ..engines.types import SamplingSpec
 from .types import RolloutSample
 
 logger = logging.getLogger(__name__)
@@ -34,7 +35,7 @@ class RunProgress:
     step (weight sync, periodic eval, log, checkpoint) and the end of the run (final eval, the saved
     model, plots, all_results.json). A recipe fills in what happens inside a step."""
 
-    def __init__(self, run: RLRun, total_steps: int, evaluate: Callable[[], dict]):
+    def __init__(self, run: RLRun, total_steps: int, sampling: SamplingSpec, evaluate: Callable[[], dict]):
         self.run = run
         self.total_steps = total_steps
         self.evaluate = evaluate
@@ -64,6 +65,11 @@ class RunProgress:
                            if options.eval_strategy == "steps" else 0)
         self.evaluated_last = False
         self.first_eval: dict = {}
+        self._batches: Iterator[list[PromptRow]] = iter(())
+        self._ahead: dict[int, list[PromptRow]] = {}  # prompt batches drawn, by step, not yet trained on
+        self._drawn = self.start_step
+        self.rollouts = RolloutSource(run, sampling, self._batch, total_steps, version=self.start_step)
+        self._rollout_figures: dict = {}
 
     @property
     def resumed(self) -> bool:
@@ -79,17 +85,32 @@ class RunProgress:
             self.first_eval = self.evaluate()
             if self.first_eval:
                 self.emit(0, self.first_eval)
-        batches = prompt_batches(self.run.prompts, batch_size, self.run.spec.training.seed)
+        self._batches = prompt_batches(self.run.prompts, batch_size, self.run.spec.training.seed)
         for _ in range(self.start_step):
-            next(batches)
+            next(self._batches)
+        self._ahead, self._drawn = {}, self.start_step
         for step in range(self.start_step + 1, self.total_steps + 1):
-            yield step, next(batches)
+            yield step, self._batch(step)
+            self._ahead.pop(step, None)
+
+    def _batch(self, step: int) -> list[PromptRow]:
+        """The prompt batch of ``step`` (this one or a later one), drawn in the run's order."""
+        while self._drawn < step:
+            self._drawn += 1
+            self._ahead[self._drawn] = next(self._batches)
+        return self._ahead[step]
+
+    def rollout(self, step: int, batch: list[PromptRow], timer: PhaseTimer) -> list[RolloutSample]:
+        """The step's samples (stages/rl/rollouts.py: generated now, or while the last step trained);
+        its rollout figures (staleness, overlap) join the step's log record."""
+        samples, self._rollout_figures = self.rollouts.take(step, batch, timer)
+        return samples
 
     def end_step(self, step: int, values: dict, timer: PhaseTimer, recipe_state: Callable[[], dict]) -> None:
         """Weight sync, the periodic eval, the log record, and a checkpoint when save_steps says so
         and at the last step."""
-        with timer("sync"):
-            values.update(self.run.roles.sync_weights())
+        values.update(self._rollout_figures)
+        values.update(self.rollouts.publish(step, timer))
         self.evaluated_last = bool(self.eval_every) and step % self.eval_every == 0
         if self.evaluated_last:
             values.update(self.evaluate())
@@ -104,6 +125,7 @@ class RunProgress:
     def finish(self, plot_keys: tuple[str, ...]) -> dict:
         """The trained policy's eval (unless the last step just ran it), the saved model, plots and
         all_results.json; returns the results."""
+        self.rollouts.drain()  # an engine that failed to load the last weights says so here
         final = self.evaluate() if self.run.eval_prompts and not self.evaluated_last else {}
         if final:
             self.emit(self.total_steps, final)
@@ -135,24 +157,6 @@ class RunProgress:
         return path
 
 
-def sampling_spec(run: RLRun) -> SamplingSpec:
-    """How an RL run samples: num_generations per prompt with the generating options, at most
-    max_completion_length tokens, ending at the template's stop tokens."""
-    spec = run.spec
-    return SamplingSpec(
-        n=spec.rl.num_generations, temperature=spec.generating.temperature, top_p=spec.generating.top_p,
-        top_k=spec.generating.top_k, max_tokens=spec.rl.max_completion_length,
-        stop_token_ids=tuple(run.template.stop_token_ids(run.tokenizer)),
-    )
-
-
-def rollout(run: RLRun, batch: list[PromptRow], sampling: SamplingSpec, step: int, timer: PhaseTimer) -> list[RolloutSample]:
-    """This step's completions of the batch, grouped by prompt."""
-    with timer("generate"):
-        completions = run.roles.generate([p.input_ids for p in batch], step_sampling(sampling, run, step))
-    return group_samples(batch, completions, sampling.n)
-
-
 def every(value, total_steps: int) -> int:
     """A step interval as the trainer options give it: N steps, or a fraction (< 1) of the run."""
     if not value:
@@ -182,29 +186,6 @@ def prompt_batches(prompts: list[PromptRow], size: int, seed: int) -> Iterator[l
         order = order[size:]
 
 
-def step_sampling(sampling: SamplingSpec, run: RLRun, step: int) -> SamplingSpec:
-    """The HF backend samples with a seed per step, so a resumed run draws what an unbroken one
-    would. vLLM engines are seeded once at start instead: vLLM 0.32 on CPU fails on seeded
-    requests whose prefill gets chunked ("CPU Generator does not use offset")."""
-    if run.spec.rl.rollout_backend != "hf":
-        return sampling
-    from dataclasses import replace
-
-    return replace(sampling, seed=run.spec.training.seed * 1_000_003 + step * 7_919)
-
-
-def group_samples(batch: list[PromptRow], completions: list[Completion], n: int) -> list[RolloutSample]:
-    """Completions grouped by prompt, in prompt order: the advantage estimators read n at a time."""
-    ordered = sorted(completions, key=lambda c: c.prompt_index)  # stable: sampling order within a group
-    if len(ordered) != len(batch) * n:
-        raise RuntimeError(f"the rollout backend returned {len(ordered)} completions for {len(batch)} prompts x {n}")
-    return [
-        RolloutSample(batch[c.prompt_index].input_ids, c.token_ids, group=c.prompt_index,
-                      truncated=c.finish_reason == "length", rollout_logprobs=c.logprobs)
-        for c in ordered
-    ]
-
-
 def reward_columns(batch: list[PromptRow], samples: list[RolloutSample]) -> dict[str, list]:
     """What reward functions get besides prompts and completions, one entry per completion."""
     columns: dict[str, list] = {
@@ -214,13 +195,6 @@ def reward_columns(batch: list[PromptRow], samples: list[RolloutSample]) -> dict
     for name in batch[0].columns if batch else ():
         columns[name] = [batch[s.group].columns.get(name) for s in samples]
     return columns
-
-
-def greedy_samples(run: RLRun, max_tokens: int, stop_token_ids: tuple[int, ...]) -> list[RolloutSample]:
-    """One greedy completion of each eval prompt, in order."""
-    greedy = SamplingSpec(n=1, temperature=0.0, max_tokens=max_tokens, stop_token_ids=stop_token_ids)
-    completions = run.roles.generate([p.input_ids for p in run.eval_prompts], greedy)
-    return group_samples(run.eval_prompts, completions, 1)
 
 
 def rollout_logprob_gap(samples: list[RolloutSample], policy_logprobs: list[list[float]]) -> dict:

@@ -73,20 +73,21 @@ class PolicyWorker(TrainableRole):
 
         with torch.no_grad():
             out = completion_logprobs(self.model, *sample_ids(samples), self.pad_token_id,
-                                      temperature=self.spec.generating.temperature)
+                                      temperature=self.spec.generating.temperature,
+                                      max_tokens=self.spec.rl.max_tokens_per_micro_batch)
         return [t.tolist() for t in out]
 
     def reference_logprobs(self, samples: list[RolloutSample]) -> list[list[float]]:
         """The frozen reference's log-probs (the same temperature scaling as the policy's)."""
         from .logprobs import completion_logprobs
 
-        temperature = self.spec.generating.temperature
+        options = dict(temperature=self.spec.generating.temperature, max_tokens=self.spec.rl.max_tokens_per_micro_batch)
         with torch.no_grad():
             if self.reference.kind == "model":
-                out = completion_logprobs(self.reference.model, *sample_ids(samples), self.pad_token_id, temperature=temperature)
+                out = completion_logprobs(self.reference.model, *sample_ids(samples), self.pad_token_id, **options)
             elif self.reference.kind == "adapter_disabled":
                 with self.model.disable_adapter():
-                    out = completion_logprobs(self.model, *sample_ids(samples), self.pad_token_id, temperature=temperature)
+                    out = completion_logprobs(self.model, *sample_ids(samples), self.pad_token_id, **options)
             else:
                 raise RuntimeError("reference log-probs asked for, but beta is 0: no reference model was loaded")
         return [t.tolist() for t in out]
@@ -157,6 +158,12 @@ class PolicyWorker(TrainableRole):
         from .weights import export_state_dict, state_dict_to_bytes
 
         return state_dict_to_bytes(export_state_dict(self.model))
+
+    def export_adapter(self) -> bytes:
+        """The LoRA adapter alone (adapter-only weight sync), as one safetensors blob."""
+        from .weights import export_adapter
+
+        return export_adapter(self.model)
 
     def generate_batch(self, prompt_ids: list[list[int]], sampling: SamplingSpec) -> list[Completion]:
         """The HF rollout backend: the transformers engine samples from the weights being trained."""

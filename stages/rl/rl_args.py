@@ -40,6 +40,11 @@ class RLArguments:
     num_generations: int = 4
     max_completion_length: int = 32
     rollout_backend: Literal["vllm", "hf"] = "vllm"  # hf: transformers generate() inside the policy workers
+    # Asynchronous rollouts (stages/rl/async_rollout.py): off, today's synchronous step; one_step,
+    # the engines generate the next batch while the policy trains on this one (samples one version
+    # old, verl's one-step-off); bounded, up to max_staleness batches ahead (versions old).
+    async_rollout: Literal["off", "one_step", "bounded"] = "off"
+    max_staleness: Optional[int] = None  # None: 0 when off, 1 for one_step, 2 for bounded
     # --- rewards --------------------------------------------------------------------------------
     # "module.path:function" or a built-in name (stages/rl/rewards.py); one float per completion.
     reward_funcs: list[str] = field(default_factory=list)
@@ -66,14 +71,21 @@ class RLArguments:
     overlong_buffer_len: int = 0
     overlong_penalty_factor: float = 1.0
     num_iterations: int = 1  # policy updates per rollout batch (TRL's mu)
+    # Micro-batches of the policy's and critic's passes (update, log-probs, reference, values) by a
+    # budget of padded tokens (rows x the longest) instead of per_device_train_batch_size rows:
+    # verl's per-GPU token cap. The gradient does not depend on the split. None: by rows.
+    max_tokens_per_micro_batch: Optional[int] = None
     # Drop prompt groups whose completions all got the same reward (no signal); the kept share is logged.
     dynamic_filtering: bool = False
     # --- rollout correction (stages/rl/rollout_correction.py; TRL's keys, for either backend) ---
     # Importance weights between the trainer's log-probs and the sampler's. None: decided by
     # default_correction (above), off for today's synchronous loop.
     vllm_importance_sampling_correction: Optional[bool] = None
-    vllm_importance_sampling_mode: Literal["token_truncate", "token_mask", "sequence_truncate",
-                                           "sequence_mask"] = "sequence_mask"
+    # None: sequence_mask (TRL's default) for the synchronous loop, token_truncate (verl's and
+    # NeMo-RL's TIS) for asynchronous rollouts, whose stale samples it trains on best here
+    # (benchmarks/README.md, "Asynchronous rollouts").
+    vllm_importance_sampling_mode: Optional[Literal["token_truncate", "token_mask", "sequence_truncate",
+                                                    "sequence_mask"]] = None
     vllm_importance_sampling_clip_max: Optional[float] = 3.0  # None: no upper bound
     vllm_importance_sampling_clip_min: Optional[float] = None  # None: no lower bound
     vllm_importance_sampling_cap: Optional[float] = None  # TRL's deprecated name of clip_max
@@ -96,6 +108,10 @@ class RLArguments:
     # --- rollout engines (vLLM) -----------------------------------------------------------------
     vllm_kv_cache_gib: float = 0.25  # KV cache per engine; on CPU it must be set (the default takes RAM)
     vllm_enforce_eager: bool = True  # skip graph capture / torch.compile (~40 s on CPU)
+    # How a LoRA policy reaches the engines after each step: merged into a full copy of the weights
+    # (any engine), or the adapter alone, served by vLLM's LoRA support beside an untouched base
+    # (bytes per push scale with the adapter; stages/engines/vllm_adapters.py).
+    rollout_lora_sync: Literal["merged", "adapter"] = "merged"
     vllm_max_model_len: Optional[int] = None  # None: cutoff_len + max_completion_length
     # GPU share an engine may take; None: vLLM's 0.9 on bundles of its own, 0.4 when colocated with
     # the policy (vLLM checks at start that this much of the GPU is free, after the policy loaded).
@@ -103,10 +119,11 @@ class RLArguments:
 
     def __post_init__(self) -> None:
         for name in ("rollout_batch_size", "num_generations", "max_completion_length", "num_iterations", "ppo_epochs",
-                     "ppo_buffer_size", "kl_horizon"):
-            if getattr(self, name) < 1:
+                     "ppo_buffer_size", "kl_horizon", "max_tokens_per_micro_batch"):
+            if getattr(self, name) is not None and getattr(self, name) < 1:
                 raise ArgumentError(name, f"{name} must be at least 1, got {getattr(self, name)}.")
         self._check_loss_variants()
+        self._check_async_rollout()
         self._check_rollout_correction()
         if self.epsilon_high is None:
             self.epsilon_high = self.epsilon
@@ -160,11 +177,43 @@ class RLArguments:
                 f"reward, so it must be >= 0; got {self.overlong_penalty_factor}. DAPO uses 1.0.",
             )
 
+    def _check_async_rollout(self) -> None:
+        """max_staleness agrees with the mode; the engines must be separate from the policy."""
+        implied = {"off": 0, "one_step": 1, "bounded": 2}[self.async_rollout]
+        if self.max_staleness is None:
+            self.max_staleness = implied
+        elif self.async_rollout in ("off", "one_step") and self.max_staleness != implied:
+            raise ArgumentError(
+                "max_staleness",
+                f"async_rollout {self.async_rollout} trains on samples exactly {implied} version(s) old, so "
+                f"max_staleness {self.max_staleness} does not apply. Remove max_staleness, or set "
+                "async_rollout: bounded to let the engines run up to max_staleness batches ahead.",
+            )
+        elif self.async_rollout == "bounded" and self.max_staleness < 1:
+            raise ArgumentError(
+                "max_staleness",
+                f"async_rollout bounded lets the engines run up to max_staleness batches ahead of the policy, so "
+                f"it must be at least 1 (1 is one_step); got {self.max_staleness}. verl and AReaL use 1 to 4.",
+            )
+        if self.async_rollout != "off" and self.rollout_backend == "hf":
+            raise ArgumentError(
+                "async_rollout",
+                f"async_rollout {self.async_rollout} overlaps generation with the policy's update, but with "
+                "rollout_backend hf the policy workers generate themselves, so the two would only take turns. "
+                "Set rollout_backend: vllm (engines of their own), or async_rollout: off.",
+            )
+
+    @property
+    def asynchronous(self) -> bool:
+        return self.async_rollout != "off"
+
     def _check_rollout_correction(self) -> None:
         """TRL's rules for the vllm_importance_sampling_* keys, plus positive bounds."""
-        if self.vllm_importance_sampling_correction is None:
-            # The loop is synchronous today; asynchronous rollouts will pass their own flag here.
-            self.vllm_importance_sampling_correction = default_correction(asynchronous=False)
+        self.correction_by_default = self.vllm_importance_sampling_correction is None  # for error messages
+        if self.correction_by_default:
+            self.vllm_importance_sampling_correction = default_correction(self.asynchronous)
+        if self.vllm_importance_sampling_mode is None:
+            self.vllm_importance_sampling_mode = "token_truncate" if self.asynchronous else "sequence_mask"
         if self.vllm_importance_sampling_cap is not None:  # as TRL: the old name sets clip_max
             logger.warning("vllm_importance_sampling_cap is TRL's deprecated name; use "
                            "vllm_importance_sampling_clip_max (set from it now).")

@@ -8,7 +8,7 @@ runs (policy ranks and vLLM engines as Ray actors on placement groups) and imple
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Callable, Optional, Protocol
+from typing import TYPE_CHECKING, Any, Callable, Generic, Optional, Protocol, TypeVar
 
 from ..engines.types import Completion, SamplingSpec
 from .types import RolloutSample
@@ -17,11 +17,37 @@ if TYPE_CHECKING:
     from ..job import JobSpec
 
 
+R = TypeVar("R", covariant=True)
+
+
+class Pending(Protocol, Generic[R]):
+    """Work handed to the roles that has not been waited for (a call the actors queue in order)."""
+
+    def done(self) -> bool:
+        """True once the result is there (``result`` would not block)."""
+
+    def result(self) -> R:
+        """Wait for it; a failure in the actors is raised here."""
+
+
+@dataclass
+class Generation:
+    """A batch's completions and, when the engines report it, the wall-clock span (``time.time``)
+    they spent generating it: what tells how much of it overlapped the policy's work."""
+
+    completions: list[Completion]
+    busy: Optional[tuple[float, float]] = None
+
+
 class RLRoles(Protocol):
     policy_size: int  # data-parallel policy ranks; an update needs at least one sample each
 
     def generate(self, prompt_ids: list[list[int]], sampling: SamplingSpec) -> list[Completion]:
         """``sampling.n`` completions per prompt from the rollout backend (vLLM engines or HF)."""
+
+    def generate_async(self, prompt_ids: list[list[int]], sampling: SamplingSpec) -> Pending[Generation]:
+        """``generate`` without waiting: the work is queued behind the engines' earlier calls
+        (generations and weight pushes run in the order they were sent)."""
 
     def policy_logprobs(self, samples: list[RolloutSample]) -> list[list[float]]:
         """The policy's current per-token log-probs of each completion (no gradient)."""
@@ -35,6 +61,10 @@ class RLRoles(Protocol):
 
     def sync_weights(self) -> dict[str, float]:
         """Push the policy's weights into the rollout engines (a no-op for the HF backend)."""
+
+    def push_weights(self) -> Pending[dict[str, float]]:
+        """``sync_weights`` without waiting: every generation sent after it samples from these
+        weights, every one sent before from the earlier ones."""
 
     def save(self, output_dir: str) -> None:
         """Write the trained adapter or model and the tokenizer into output_dir."""

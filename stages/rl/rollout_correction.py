@@ -1,7 +1,7 @@
 """Rollout correction: importance weights for the gap between the sampler and the trainer.
 
-The engines sample with their own kernels, precision and (once rollouts are asynchronous) possibly
-older weights, so the distribution a completion was drawn from is not exactly the one the policy
+The engines sample with their own kernels, precision and (with asynchronous rollouts) older
+weights, so the distribution a completion was drawn from is not exactly the one the policy
 update assumes. The sampler reports each token's log-prob; the trainer recomputes it before the
 update (the "old" log-probs). Their ratio, per token or per completion, re-weights the policy loss.
 

@@ -16,19 +16,22 @@ from stages.training.callbacks import LOG_FILE, read_log
 
 
 class PhaseTimer:
-    """``with timer("generate"): ...`` adds the block's seconds under ``time/generate``."""
+    """``with timer("generate"): ...`` adds the block's seconds under ``time/generate`` and keeps
+    its wall-clock span (``time.time``, comparable with other processes') in ``spans``."""
 
     def __init__(self):
         self.seconds: dict[str, float] = {}
+        self.spans: list[tuple[str, float, float]] = []
 
     @contextlib.contextmanager
     def __call__(self, phase: str):
-        start = time.perf_counter()
+        start, wall = time.perf_counter(), time.time()
         try:
             yield
         finally:
             key = f"time/{phase}"
             self.seconds[key] = self.seconds.get(key, 0.0) + time.perf_counter() - start
+            self.spans.append((phase, wall, time.time()))
 
 
 def write_results(output_dir: str, metrics: dict) -> str:

@@ -13,6 +13,8 @@ from typing import TYPE_CHECKING, Callable, Optional
 
 import torch
 
+from .logprobs import budget_slices
+
 if TYPE_CHECKING:
     from ..job import JobSpec
 
@@ -58,7 +60,9 @@ class TrainableRole:
         """
         options = self.spec.training
         micro = max(1, int(options.per_device_train_batch_size))
-        chunks = [samples[i : i + micro] for i in range(0, len(samples), micro)]
+        budget = self.spec.rl.max_tokens_per_micro_batch
+        lengths = [len(s.prompt_ids) + len(s.completion_ids) for s in samples]
+        chunks = [samples[part] for part in budget_slices(lengths, micro, budget)]
         totals: dict[str, float] = {}
         self.optimizer.zero_grad(set_to_none=True)
         for index, chunk in enumerate(chunks):
@@ -77,7 +81,8 @@ class TrainableRole:
         self.optimizer.step()
         self.scheduler.step()
         out = {key: (value if key == "loss" else value / max(len(samples), 1)) for key, value in totals.items()}
-        out.update(grad_norm=grad_norm, lr=self.scheduler.get_last_lr()[0], num_samples=len(samples))
+        out.update(grad_norm=grad_norm, lr=self.scheduler.get_last_lr()[0], num_samples=len(samples),
+                   micro_batches=len(chunks))
         return out
 
     @property

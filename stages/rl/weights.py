@@ -59,6 +59,25 @@ def state_dict_to_bytes(state: Mapping[str, torch.Tensor]) -> bytes:
     return save(flat)
 
 
+def export_adapter(model, dtype: Optional[torch.dtype] = None) -> bytes:
+    """A PeftModel's active LoRA adapter as one safetensors blob: its tensors under the names
+    ``save_pretrained`` writes, and its adapter_config.json in the metadata. What an engine needs to
+    serve the adapter beside an untouched base (stages/engines/vllm_adapters.py unpacks it)."""
+    import json
+
+    from peft import get_peft_model_state_dict
+    from safetensors.torch import save
+
+    from ..engines.vllm_adapters import ADAPTER_CONFIG_KEY
+
+    name = model.active_adapter
+    state = {k: t.detach().to("cpu", dtype=dtype if dtype is not None and t.is_floating_point() else None).contiguous()
+             for k, t in get_peft_model_state_dict(model, adapter_name=name).items()}
+    config = model.peft_config[name].to_dict()
+    config = {k: sorted(v) if isinstance(v, set) else v for k, v in config.items()}  # JSON has no sets
+    return save(state, metadata={ADAPTER_CONFIG_KEY: json.dumps(config)})
+
+
 def bytes_to_state_dict(blob: bytes) -> dict[str, torch.Tensor]:
     """The state dict ``state_dict_to_bytes`` wrote (CPU tensors owning their memory)."""
     from safetensors.torch import load

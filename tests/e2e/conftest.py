@@ -98,3 +98,33 @@ def assert_rerun_of_a_finished_run_trains_nothing(config: dict) -> None:
     result = run_exp({**config, "resume_from_checkpoint": "auto"})
     assert result.data_stats == {"finished": True} and result.metrics == {} and result.checkpoint_path is None
     assert output_files(config["output_dir"]) == before
+
+
+def kill_run_at_its_stall(ray_session, config: dict, stall_at_call: int, tmp_path) -> None:
+    """Run ``config`` in a driver process of its own on the test's Ray cluster, with
+    tests.e2e.test_rl_resume's ``stalling_digit_ratio`` set to stall on its ``stall_at_call``-th
+    call, and SIGKILL that driver once it stalls: the kill lands at a known point of the run."""
+    import json
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    marker = tmp_path / "stalled"
+    config_path = tmp_path / "killed_run.json"
+    runtime_env = {"env_vars": {"PYTHONPATH": REPO_ROOT}}  # a driver joining a running cluster
+    config_path.write_text(json.dumps({**config, "ray_init_kwargs": {"runtime_env": runtime_env}}))
+    script = (f"import json, sys; import tests.e2e.test_rl_resume as t; t.STALL_AT_CALL = {stall_at_call}; "
+              "t.STALL_MARKER = sys.argv[2]; from cluster.driver import run_exp; run_exp(json.load(open(sys.argv[1])))")
+    env = {**os.environ, "RAY_ADDRESS": ray_session.get_runtime_context().gcs_address, "PYTHONPATH": REPO_ROOT}
+    proc = subprocess.Popen([sys.executable, "-c", script, str(config_path), str(marker)], cwd=REPO_ROOT, env=env,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.time() + 300
+        while not marker.exists():
+            assert proc.poll() is None, "the run to be killed ended on its own"
+            assert time.time() < deadline, f"the run never reached reward call {stall_at_call}"
+            time.sleep(0.2)
+    finally:
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()

@@ -18,8 +18,6 @@ import os
 import re
 import shutil
 import signal
-import subprocess
-import sys
 import threading
 import time
 
@@ -30,7 +28,7 @@ from safetensors.torch import load_file
 from cluster.driver import run_exp
 from stages.training.callbacks import read_log
 from stages.rl.checkpoint import STATE_FILE
-from tests.e2e.conftest import DATA_DIR, REPO_ROOT, assert_rerun_of_a_finished_run_trains_nothing
+from tests.e2e.conftest import DATA_DIR, assert_rerun_of_a_finished_run_trains_nothing, kill_run_at_its_stall
 
 PARAM_TOL = 1e-6
 # Set in the killed run's process only: its reward function stalls on this call, after writing the marker.
@@ -92,25 +90,7 @@ def test_killed_ppo_run_resumes_exactly_from_the_latest_complete_checkpoint(ray_
 
     # Run B in its own driver process on the same Ray cluster, killed at step 3's scoring.
     b_dir = tmp_path / "b"
-    marker = tmp_path / "stalled"
-    config_path = tmp_path / "b.json"
-    # A driver joining a running cluster must tell the workers where our packages are.
-    runtime_env = {"env_vars": {"PYTHONPATH": REPO_ROOT}}
-    config_path.write_text(json.dumps(ppo_config(b_dir, ray_init_kwargs={"runtime_env": runtime_env})))
-    script = ("import json, sys; import tests.e2e.test_rl_resume as t; t.STALL_AT_CALL = 3; "
-              "t.STALL_MARKER = sys.argv[2]; from cluster.driver import run_exp; run_exp(json.load(open(sys.argv[1])))")
-    env = {**os.environ, "RAY_ADDRESS": ray_session.get_runtime_context().gcs_address, "PYTHONPATH": REPO_ROOT}
-    proc = subprocess.Popen([sys.executable, "-c", script, str(config_path), str(marker)], cwd=REPO_ROOT, env=env,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    try:
-        deadline = time.time() + 300
-        while not marker.exists():
-            assert proc.poll() is None, "the run to be killed ended on its own"
-            assert time.time() < deadline, "the run never reached step 3"
-            time.sleep(0.2)
-    finally:
-        proc.send_signal(signal.SIGKILL)
-        proc.wait()
+    kill_run_at_its_stall(ray_session, ppo_config(b_dir), 3, tmp_path)
     assert sorted(_steps(b_dir)) == [1, 2]
     assert os.path.isfile(b_dir / "checkpoint-2" / STATE_FILE)
     # What a crash during a save leaves: a checkpoint-3 without its state file (and a staging folder).

@@ -1,5 +1,5 @@
 """The policy role without Ray: an update's gradient does not depend on how the batch is split into
-micro-batches, the HF rollout backend reports the model's own log-probs, and tiny-model names carry
+micro-batches (by rows or by a token budget), the HF rollout backend reports the model's own log-probs, and tiny-model names carry
 shape options (vLLM needs head size >= 32)."""
 
 from __future__ import annotations
@@ -68,15 +68,20 @@ def _micro_batch_steps_agree(tmp_path, **overrides) -> dict:
     """The test above for the RL keys in ``overrides``; returns the last update's report."""
     batch = samples()
     norm = loss_normalizer(overrides["loss_type"], [len(s.completion_ids) for s in batch], 32)
-    steps = []
-    for micro in (2, 3, 16):
-        worker = policy(tmp_path, per_device_train_batch_size=micro, adam_epsilon=1e3, learning_rate=100.0,
-                        **overrides)
+    steps, splits = [], []
+    # by rows (2, 3), by a token budget (7 rows are 5..12 tokens long: 12 fits one row at most of
+    # the longest, 30 two or three), and the whole batch at once last, the reference
+    for split in ({"per_device_train_batch_size": 2}, {"per_device_train_batch_size": 3},
+                  {"max_tokens_per_micro_batch": 12}, {"max_tokens_per_micro_batch": 30},
+                  {"per_device_train_batch_size": 16}):
+        worker = policy(tmp_path, **split, adam_epsilon=1e3, learning_rate=100.0, **overrides)
         before = torch.cat([p.detach().flatten() for p in worker.model.parameters()])
         report = worker.update(batch, norm)
         assert report["num_samples"] == 7
+        splits.append(report["micro_batches"])
         after = torch.cat([p.detach().flatten() for p in worker.model.parameters()])
         steps.append(after - before)
+    assert splits == [4, 3, 7, splits[3], 1] and 2 < splits[3] < 7, splits  # the splits really differ
     largest = torch.maximum(before.abs(), after.abs())
     spacing = torch.nextafter(largest, torch.tensor(float("inf"))) - largest  # of the last run's weights
     scale = steps[-1].abs().max()
@@ -112,3 +117,27 @@ def test_tiny_names_carry_shape_options():
     assert config["hidden_size"] // config["num_attention_heads"] == 32
     with pytest.raises(UserError, match=r"'heads=2' is not a tiny-model option.*num_heads"):
         parse_tiny_name("tiny:qwen2,heads=2")
+
+
+def test_token_budget_slices_fit_the_budget_and_keep_the_order():
+    from stages.rl.logprobs import budget_slices
+
+    lengths = [5, 9, 3, 12, 4, 4, 20, 2]
+    parts = budget_slices(lengths, max_rows=3, max_tokens=18)
+    assert [i for part in parts for i in range(len(lengths))[part]] == list(range(len(lengths)))
+    for part in parts:
+        rows = lengths[part]
+        assert len(rows) == 1 or max(rows) * len(rows) <= 18  # padded tokens within the budget ...
+    assert [lengths[p] for p in parts] == [[5, 9], [3], [12], [4, 4], [20], [2]]  # ... greedily
+    assert budget_slices(lengths, max_rows=3) == [slice(0, 3), slice(3, 6), slice(6, 9)]  # no budget: by rows
+
+
+def test_log_probs_and_values_do_not_depend_on_the_token_budget(tmp_path):
+    worker = policy(tmp_path)
+    batch = samples()
+    prompts, completions = [s.prompt_ids for s in batch], [s.completion_ids for s in batch]
+    with torch.no_grad():
+        whole = completion_logprobs(worker.model, prompts, completions, 0, micro_batch_size=16)
+        budgeted = completion_logprobs(worker.model, prompts, completions, 0, max_tokens=10)
+    for a, b in zip(whole, budgeted):
+        assert a.shape == b.shape and torch.allclose(a, b, atol=1e-5)
