@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Optional, Sequence
 import torch
 
 from .logprobs import budget_slices
-from .trainable import TrainableRole, completion_mask, pad_rows, sample_ids
+from .trainable import TrainableRole, pad_rows, sample_ids, sample_mask
 from .types import RolloutSample
 
 if TYPE_CHECKING:
@@ -95,7 +95,7 @@ class CriticWorker(TrainableRole):
                                             micro_batch_size=len(chunk)))
         loss, metrics = value_loss(
             values, pad_rows([torch.tensor(s.values) for s in chunk]), pad_rows([torch.tensor(s.returns) for s in chunk]),
-            completion_mask(completions), clip=self.spec.rl.cliprange_value, normalizer=normalizer,
+            sample_mask(chunk), clip=self.spec.rl.cliprange_value, normalizer=normalizer,
         )
         return loss, metrics
 

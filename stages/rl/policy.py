@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Optional
 
 import torch
 
-from .trainable import TrainableRole, completion_mask, pad_rows, sample_ids
+from .trainable import TrainableRole, pad_rows, sample_ids, sample_mask
 from ..engines.types import Completion, SamplingSpec
 from .types import RolloutSample
 
@@ -130,7 +130,7 @@ class PolicyWorker(TrainableRole):
                                   temperature=self.spec.generating.temperature, micro_batch_size=len(chunk),
                                   with_entropy=rl.entropy_coef > 0)
         logp, entropy = (pad_rows(out[0]), pad_rows(out[1])) if rl.entropy_coef > 0 else (pad_rows(out), None)
-        mask = completion_mask(completions)
+        mask = sample_mask(chunk)  # observation tokens of multi-turn samples are out of loss and KL
         # One update per rollout (num_iterations 1): the old policy is the current one, ratio 1.
         if chunk[0].old_logprobs:
             old = pad_rows([torch.tensor(s.old_logprobs) for s in chunk])

@@ -123,8 +123,9 @@ def gae(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Generalized advantage estimation: (advantages, returns), both [B, T], detached, 0 on padding.
 
-    Backwards over time, with rewards and values zeroed on padding (so the value after a row's
-    last completion token is 0: the episode ends there):
+    Backwards over the masked tokens, with rewards and values zeroed on padding (so the value after
+    a row's last completion token is 0: the episode ends there); masked-out tokens inside a row
+    (multi-turn observations) are skipped, t + 1 being the next masked token:
 
         delta_t = r_t + gamma * V_{t+1} - V_t,    A_t = delta_t + gamma * lam * A_{t+1}
 
@@ -144,13 +145,17 @@ def gae(
     if whiten_rewards:
         rewards = masked_whiten(rewards, mask, shift_mean=False)
 
-    steps = rewards.shape[1]
     advantages = torch.zeros_like(rewards)
     running = torch.zeros_like(rewards[:, 0])
-    for t in reversed(range(steps)):
-        next_value = values[:, t + 1] if t + 1 < steps else torch.zeros_like(running)
+    next_value = torch.zeros_like(running)
+    for t in reversed(range(rewards.shape[1])):
+        # Masked-out tokens are skipped, not steps: a multi-turn sample's observation turn sits
+        # between two policy turns, and the value after the first turn is the one at the start of
+        # the next (padding, at the end, leaves next_value 0: the episode ends there).
+        k = keep[:, t]
         delta = rewards[:, t] + gamma * next_value - values[:, t]
-        running = delta + gamma * lam * running
+        running = torch.where(k, delta + gamma * lam * running, running)
+        next_value = torch.where(k, values[:, t], next_value)
         advantages[:, t] = running
     returns = torch.where(keep, advantages + values, 0.0)
     if whiten_advantages:

@@ -54,8 +54,9 @@ def reinforce_pp_advantages(
         values = torch.zeros_like(rewards)
         running = torch.zeros_like(rewards[:, 0])
         for t in reversed(range(rewards.shape[1])):
-            # padding rewards are 0, so the return restarts at each row's last completion token
-            running = rewards[:, t] + gamma * running
+            # The return restarts at each row's last completion token; masked-out tokens (padding,
+            # multi-turn observations) are not steps, so they neither add nor discount.
+            running = torch.where(keep[:, t], rewards[:, t] + gamma * running, running)
             values[:, t] = running
     else:
         scores = rewards.sum(dim=1)

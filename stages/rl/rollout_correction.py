@@ -104,10 +104,10 @@ class RolloutCorrection:
 
     def sample_metrics(self, samples: Sequence, trainer_rows: Sequence[Sequence[float]]) -> dict[str, float]:
         """``metrics`` over all of a rank's samples at once (a max over micro-batches cannot be merged later)."""
-        from .trainable import completion_mask, pad_rows
+        from .trainable import pad_rows, sample_mask
 
         trainer = pad_rows([torch.tensor(row, dtype=torch.float32) for row in trainer_rows])
-        mask = completion_mask([s.completion_ids for s in samples])
+        mask = sample_mask(samples)
         return self.metrics(trainer, sampler_logprobs([s.rollout_logprobs for s in samples], trainer), mask)
 
 

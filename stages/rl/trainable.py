@@ -119,9 +119,32 @@ def pad_rows(rows: list[torch.Tensor]) -> torch.Tensor:
     return torch.nn.utils.rnn.pad_sequence([r.float() for r in rows], batch_first=True)
 
 
-def completion_mask(completions: list[list[int]]) -> torch.Tensor:
-    """1.0 on every completion token, 0.0 on the padding after it, as [B, T]."""
-    return pad_rows([torch.ones(len(c)) for c in completions])
+def completion_mask(completions: list[list[int]], loss_masks: Optional[list[list[int]]] = None) -> torch.Tensor:
+    """1.0 on every completion token the policy learns from, 0.0 on the padding after it, as [B, T].
+
+    ``loss_masks`` (RolloutSample.loss_mask, one per completion) zero the tokens the policy did
+    not sample (a multi-turn rollout's observation turns), so they leave the loss, the KL and
+    every token mean; an empty one means all ones (single-turn samples)."""
+    masks = loss_masks or [[] for _ in completions]
+    if len(masks) != len(completions):
+        raise ValueError(f"{len(masks)} loss masks for {len(completions)} completions.")
+    rows = []
+    for c, m in zip(completions, masks):
+        if m and len(m) != len(c):
+            raise ValueError(f"a loss_mask of {len(m)} tokens for a completion of {len(c)}: they must align.")
+        rows.append(torch.tensor(m, dtype=torch.float32) if m else torch.ones(len(c)))
+    return pad_rows(rows)
+
+
+def sample_mask(samples: list) -> torch.Tensor:
+    """``completion_mask`` of rollout samples, honouring each one's ``loss_mask``."""
+    return completion_mask([s.completion_ids for s in samples], [s.loss_mask for s in samples])
+
+
+def loss_token_counts(samples: list) -> list[int]:
+    """Tokens each sample contributes to the loss (its sampled tokens): what loss_normalizer and
+    token means count in place of ``len(completion_ids)``."""
+    return [sum(s.loss_mask) if s.loss_mask else len(s.completion_ids) for s in samples]
 
 
 def sample_ids(samples: list) -> tuple[list[list[int]], list[list[int]]]:

@@ -29,3 +29,8 @@ class RolloutSample:
     token_advantages: list[float] = field(default_factory=list)
     values: list[float] = field(default_factory=list)
     returns: list[float] = field(default_factory=list)
+    # Multi-turn rollouts (stages/rl/multi_turn.py): 1 on each completion token the policy sampled,
+    # 0 on the observation turns appended between its turns; empty means all ones (single turn).
+    loss_mask: list[int] = field(default_factory=list)
+    turns: int = 1  # policy turns in the trajectory
+    tool_calls: int = 0  # environment steps that returned an observation (tool results)
