@@ -7,6 +7,7 @@ An ALIGNED example::
                                           2 = [chosen, rejected] (ranking)
     _system    str ("" if none)           _tools  str, JSON list of function schemas ("" if none)
     _kto_tag   bool, or None unless the dataset has a kto_tag column
+    _images    list[str] of checked image paths; present only when the dataset has an images column
     _source_file, _source_row             where the row came from, so later steps can name it too
 
 Rows come from readers.py (``_raw`` JSON text plus source file and row). Everything here is a
@@ -31,6 +32,7 @@ from .readers import RAW, SOURCE_FILE, SOURCE_ROW
 from .rowcontext import RowContext
 
 ALIGNED_COLUMNS = ("_prompt", "_response", "_system", "_tools", "_kto_tag", SOURCE_FILE, SOURCE_ROW)
+IMAGES_COLUMN = "_images"  # extra column of multimodal datasets (see media.py)
 ERROR_COLUMN = "_error"
 
 
@@ -77,7 +79,8 @@ def align_rows(rows: list[dict[str, Any]], attr: DatasetAttr, skip_bad_rows: boo
 def align_batch(batch: dict[str, list], attr: DatasetAttr, skip_bad_rows: bool = False) -> dict[str, list]:
     """Column batch of reader rows -> column batch of ALIGNED examples (bad rows dropped if skipping)."""
     result = align_rows(_batch_rows(batch), attr, skip_bad_rows)
-    return {name: [ex[name] for ex in result.examples] for name in ALIGNED_COLUMNS}
+    names = ALIGNED_COLUMNS + ((IMAGES_COLUMN,) if attr.has_images else ())
+    return {name: [ex[name] for ex in result.examples] for name in names}
 
 
 def bad_rows_batch(batch: dict[str, list], attr: DatasetAttr) -> dict[str, list]:
@@ -105,9 +108,9 @@ def skipped_summary(shown: list[str], skipped: int, total: int) -> str:
     return f"skipped {skipped} of {total} rows (skip_bad_rows is on): {'; '.join(shown)}{more}."
 
 
-def aligned_schema():
+def aligned_schema(images: bool = False):
     """The pyarrow schema of an aligned batch, so every block has the same types (an all-empty
-    ``_response`` block would otherwise be inferred as list<null>)."""
+    ``_response`` block would otherwise be inferred as list<null>). ``images`` adds ``_images``."""
     import pyarrow as pa
 
     message = pa.list_(pa.struct([("role", pa.string()), ("content", pa.string())]))
@@ -121,6 +124,7 @@ def aligned_schema():
             (SOURCE_FILE, pa.string()),
             (SOURCE_ROW, pa.int64()),
         ]
+        + ([(IMAGES_COLUMN, pa.list_(pa.string()))] if images else [])
     )
 
 
@@ -128,7 +132,9 @@ def aligned_table(batch: dict[str, list]):
     """An aligned column batch as a pyarrow Table with ``aligned_schema()``."""
     import pyarrow as pa
 
-    return pa.Table.from_pydict({name: batch[name] for name in ALIGNED_COLUMNS}, schema=aligned_schema())
+    images = IMAGES_COLUMN in batch
+    names = ALIGNED_COLUMNS + ((IMAGES_COLUMN,) if images else ())
+    return pa.Table.from_pydict({name: batch[name] for name in names}, schema=aligned_schema(images))
 
 
 def _batch_rows(batch: dict[str, list]) -> list[dict[str, Any]]:

@@ -13,6 +13,7 @@ from typing import Any, Callable
 from ..templates.tools import parse_function_message
 from ..unique import add_unique
 from .errors import describe_type
+from .media import check_placeholders, read_images
 from .rowcontext import RowContext
 
 Aligned = dict[str, Any]
@@ -34,13 +35,21 @@ def _message(role: str, content: str) -> dict[str, str]:
 
 
 def _example(ctx: RowContext, prompt: list, response: list, system: str) -> Aligned:
-    return {
+    example = {
         "_prompt": prompt,
         "_response": response,
         "_system": system,
         "_tools": ctx.tools(),
         "_kto_tag": ctx.kto_tag(),
     }
+    if ctx.attr.has_images:
+        # Only datasets with an images column carry ``_images``, so text datasets keep their schema.
+        images = read_images(ctx)
+        # Ranking rows hold two answers to one prompt; each pairs with the same images, so count
+        # placeholders over the prompt and the first answer only.
+        check_placeholders(ctx, prompt + response[:1], images)
+        example["_images"] = images
+    return example
 
 
 # ====================================================================== alpaca

@@ -14,7 +14,7 @@ rules are kept because they change what the data means:
 leave them unset, which only ever rejects rows).
 
 Only the entries a run names are parsed, so a file may hold entries we cannot load (e.g.
-multimodal ones) as long as they are not used.
+video or audio ones) as long as they are not used.
 """
 
 from __future__ import annotations
@@ -35,7 +35,10 @@ SOURCE_KEYS = ("file_name", "hf_hub_url", "ms_hub_url", "script_url")
 ENTRY_KEYS = SOURCE_KEYS + ("formatting", "ranking", "subset", "split", "folder", "num_samples", "columns", "tags")
 # LLaMA-Factory keys we recognise but cannot serve yet: named so the error says so, not "unknown".
 UNSUPPORTED_KEYS = {"om_hub_url": "the OpenMind hub", "cloud_file_name": "s3/gcs files"}
-UNSUPPORTED_COLUMNS = ("images", "videos", "audios")
+# Media columns: ``images`` is read (a list of paths relative to dataset_dir); videos and audios
+# are recognised so the error says "not yet", not "unknown".
+MEDIA_COLUMNS = ("images",)
+UNSUPPORTED_COLUMNS = ("videos", "audios")
 
 _DEFAULT_COLUMNS = {
     "alpaca": {"prompt": "instruction", "query": "input", "response": "output"},
@@ -75,6 +78,15 @@ class DatasetAttr:
 
     def tag(self, key: str) -> str:
         return self.tags[key]
+
+    @property
+    def has_images(self) -> bool:
+        return self.columns.get("images") is not None
+
+    @property
+    def dataset_dir(self) -> str:
+        """The folder of the dataset_info.json; LLaMA-Factory resolves media paths against it."""
+        return os.path.dirname(self.info_path)
 
     @property
     def has_kto_tag(self) -> bool:
@@ -208,12 +220,18 @@ def _columns(where: str, entry: dict, formatting: str) -> dict[str, str | None]:
         raise DataConfigError(f"{where}: columns must be an object of role -> column name.")
     for key in UNSUPPORTED_COLUMNS:
         if given.get(key):
-            raise DataConfigError(f"{where} has a {key!r} column; multimodal datasets are not supported yet.")
-    _reject_unknown(where, "column key", {k: v for k, v in given.items() if k not in UNSUPPORTED_COLUMNS}, COLUMN_KEYS)
+            raise DataConfigError(
+                f"{where} has a {key!r} column; only image columns (\"images\") are supported yet, not {key}."
+            )
+    _reject_unknown(
+        where, "column key", {k: v for k, v in given.items() if k not in UNSUPPORTED_COLUMNS}, COLUMN_KEYS + MEDIA_COLUMNS
+    )
     for key, value in given.items():
         if value is not None and (not isinstance(value, str) or not value):
             raise DataConfigError(f"{where}: columns.{key} is {value!r}; expected a column name (string).")
     columns = {k: given.get(k) for k in COLUMN_KEYS}
+    # Media keys appear only when named, so text datasets keep exactly the columns they had.
+    columns.update({k: given[k] for k in MEDIA_COLUMNS if given.get(k)})
     if formatting != "alpaca" and columns["messages"] is None:
         columns["messages"] = _DEFAULT_COLUMNS[formatting]["messages"]
     return columns

@@ -38,6 +38,7 @@ def register_template(
     efficient_eos: bool = False,
     replace_eos: bool = False,
     system_in_first_user: bool = False,
+    mm_plugin: str | None = None,
     notes: str = "",
     assistant_formatter: StringFormatter | None = None,
     function_formatter: FunctionFormatter | None = None,
@@ -72,6 +73,7 @@ def register_template(
         efficient_eos=efficient_eos,
         replace_eos=replace_eos,
         system_in_first_user=system_in_first_user,
+        mm_plugin=mm_plugin,
         notes=notes,
     )
     TEMPLATES[name] = template

@@ -45,6 +45,9 @@ class Template:
     efficient_eos: bool = False  # the eos is appended once by the tokenizer step, not per turn
     replace_eos: bool = False  # the first stop word becomes the tokenizer's eos
     system_in_first_user: bool = False  # llama2 / mistral / gemma fold the system into turn 0
+    # The vision plugin (registries/multimodal) that expands <image> for this family, as
+    # LLaMA-Factory's template carries mm_plugin; None for text-only templates.
+    mm_plugin: str | None = None
     notes: str = field(default="", compare=False)  # documented deviations from the family's own template
 
     # ---------------------------------------------------------------- encoding

@@ -16,6 +16,7 @@ COUNTS = {
     "arith_pref": 320, "arith_pref_eval": 80, "arith_pref_sharegpt": 320, "arith_kto": 640, "arith_kto_eval": 160,
     "pretrain_txt": 424, "pretrain_jsonl": 200, "tool_calls": 300, "tool_calls_eval": 60,
     "arith_format_pref": 320, "arith_format_pref_eval": 80,
+    "shapes_train": 192, "shapes_eval": 48,
 }
 STAGE = {"arith_pref": "dpo", "arith_pref_eval": "rm", "arith_format_pref": "rm", "arith_format_pref_eval": "rm", "arith_pref_sharegpt": "dpo", "arith_kto": "kto", "arith_kto_eval": "kto", "pretrain_txt": "pt", "pretrain_jsonl": "pt"}
 
@@ -38,7 +39,11 @@ def test_demo_dataset_fits_its_stage(demo, name):
 
 
 def user_turns(examples):
-    return {m["content"] for e in examples for m in e["_prompt"] if m["role"] == "user"}
+    # A multimodal prompt is its text and its pictures: the shapes eval set asks the same questions
+    # about pictures no training row shows.
+    return {
+        (m["content"], tuple(e.get("_images", ()))) for e in examples for m in e["_prompt"] if m["role"] == "user"
+    }
 
 
 def test_eval_sets_share_no_prompt_with_any_training_set(demo):

@@ -170,9 +170,16 @@ def test_error_num_samples_not_positive(write_info):
         attr_of(write_info, {"file_name": "x", "num_samples": 0})
 
 
-def test_error_multimodal_columns(write_info):
-    with pytest.raises(DataConfigError, match=r"has a 'images' column; multimodal datasets are not supported yet"):
-        attr_of(write_info, {"file_name": "x", "formatting": "sharegpt", "columns": {"messages": "m", "images": "images"}})
+def test_error_video_and_audio_columns(write_info):
+    for key in ("videos", "audios"):
+        with pytest.raises(DataConfigError, match=rf"has a '{key}' column; only image columns .* not {key}"):
+            attr_of(write_info, {"file_name": "x", "formatting": "sharegpt", "columns": {"messages": "m", key: key}})
+
+
+def test_images_column_is_kept_only_when_named(write_info):
+    attr = attr_of(write_info, {"file_name": "x", "formatting": "sharegpt", "columns": {"messages": "m", "images": "pics"}})
+    assert (attr.column("images"), attr.has_images, attr.dataset_dir) == ("pics", True, "data")
+    assert "images" not in attr_of(write_info, {"file_name": "x", "columns": {"prompt": "p"}}).columns
 
 
 def test_error_unsupported_source(write_info):

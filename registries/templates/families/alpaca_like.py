@@ -30,6 +30,19 @@ register_template(
     ),
 )
 
+# LLaVA-1.5 is trained on vicuna's format; LLaMA-Factory's "llava" template is vicuna plus the
+# llava vision plugin, so the slots are the same text.
+register_template(
+    "llava",
+    user=["USER: {{content}} ASSISTANT:"],
+    default_system=(
+        "A chat between a curious user and an artificial intelligence assistant. "
+        "The assistant gives helpful, detailed, and polite answers to the user's questions."
+    ),
+    mm_plugin="llava",
+    notes="vicuna's format with the llava vision plugin (each <image> becomes a fixed count of <image> tokens).",
+)
+
 register_template(
     "solar",
     user=["### User:\n{{content}}\n\n### Assistant:\n"],

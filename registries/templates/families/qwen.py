@@ -62,3 +62,12 @@ register_template(
     ),
     **_CHATML,
 )
+
+register_template(
+    "qwen2_vl",
+    default_system="You are a helpful assistant.",
+    mm_plugin="qwen2_vl",
+    notes="Qwen2-VL / Qwen2.5-VL: ChatML with the qwen2_vl vision plugin (each <image> becomes "
+    "<|vision_start|><|image_pad|>*N<|vision_end|>). " + _BOUNDARY_NOTE,
+    **_CHATML,
+)

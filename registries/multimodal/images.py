@@ -1,0 +1,33 @@
+"""Decoding and resizing images the way LLaMA-Factory's BasePlugin does, so pixel counts (and so
+token counts) match it exactly."""
+
+from __future__ import annotations
+
+import math
+
+# LLaMA-Factory's ProcessorArguments defaults.
+DEFAULT_MAX_PIXELS = 768 * 768
+DEFAULT_MIN_PIXELS = 32 * 32
+
+
+def load_image(path: str):
+    """Open ``path`` fully (so the file handle closes) as a PIL image."""
+    from PIL import Image
+
+    with Image.open(path) as image:
+        image.load()
+        return image.copy()
+
+
+def regularize_image(image, max_pixels: int = DEFAULT_MAX_PIXELS, min_pixels: int = DEFAULT_MIN_PIXELS):
+    """Shrink above ``max_pixels`` / grow below ``min_pixels`` keeping the aspect ratio, then RGB.
+    int() truncation and PIL's default resample are LLaMA-Factory's, kept for exact parity."""
+    if image.width * image.height > max_pixels:
+        factor = math.sqrt(max_pixels / (image.width * image.height))
+        image = image.resize((int(image.width * factor), int(image.height * factor)))
+    if image.width * image.height < min_pixels:
+        factor = math.sqrt(min_pixels / (image.width * image.height))
+        image = image.resize((int(image.width * factor), int(image.height * factor)))
+    if image.mode != "RGB":
+        image = image.convert("RGB")
+    return image
