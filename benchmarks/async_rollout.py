@@ -39,7 +39,7 @@ sys.path.insert(0, REPO_ROOT)
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from grpo_step import timed_run  # noqa: E402
-from harness import format_table, machine_line, write_json  # noqa: E402
+from harness import format_table, machine_line, relative_to_base, write_json  # noqa: E402
 
 MODES = {
     "off": dict(async_rollout="off"),
@@ -119,9 +119,7 @@ def main() -> int:
             print(f"[bench] {mode} seed {seed} ...", file=sys.stderr, flush=True)
             runs[mode].append(one_run(args.config, mode, 42 + seed, args.steps, overrides))
     rows = [summarize(mode, results) for mode, results in runs.items()]
-    base = next((r["steps_per_s"] for r in rows if r["mode"] == "off"), None)
-    for row in rows:
-        row["speedup"] = f"{row['steps_per_s'] / base:.2f}x" if base else "n/a"
+    relative_to_base(rows, lambda r: r["mode"] == "off", "steps_per_s", "speedup")
     print(f"\n{machine_line()}\nconfig {args.config}, {args.steps} steps, overrides {overrides or 'none'}\n")
     print(format_table(rows, COLUMNS))
     write_json(args.json, rows)

@@ -292,3 +292,11 @@ def write_json(path: str | None, results: list[dict]) -> None:
     if path:
         with open(path, "w") as f:
             json.dump({"machine": machine_line(), "results": results}, f, indent=2)
+
+
+def relative_to_base(rows: list[dict], is_base, key: str, out: str) -> None:
+    """Set each row's ``out`` to its ``key`` as a multiple of the base row's ("1.50x"; "n/a" when
+    no row ``is_base``)."""
+    base = next((r[key] for r in rows if is_base(r)), None)
+    for row in rows:
+        row[out] = f"{row[key] / base:.2f}x" if base else "n/a"

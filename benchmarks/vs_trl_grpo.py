@@ -1,7 +1,7 @@
 """GRPO side by side with TRL's GRPOTrainer: the same model, prompts, rewards, group size, batch,
 completion length and learning rate; steps/s, the reward curve and peak memory.
 
-    .venv/bin/python benchmarks/vs_trl_grpo.py                       # trl, ours sync, ours one_step; 12 steps
+    .venv/bin/python benchmarks/vs_trl_grpo.py                       # trl, ours sync / one_step, merged / adapter; 12 steps
     .venv/bin/python benchmarks/vs_trl_grpo.py --steps 6 --runs ours-sync ours-one_step
 
 The setting (the one the RL-at-speed issue measured): SmolLM2-135M-Instruct (``demo:``, shipped
@@ -13,6 +13,8 @@ update per batch, seed 42. Each run is a child process (its own memory, nothing 
     trl            TRL 1.16 GRPOTrainer on the CPU (use_cpu), transformers generate, torch's threads
     ours-sync      configs/smollm2_lora_grpo.yaml: 1 policy worker {CPU: 1}, 1 vLLM engine {CPU: 1}
     ours-one_step  the same with async_rollout one_step (correction on, token_truncate)
+    ours-sync-adapter, ours-one_step-adapter
+                   the same with rollout_lora_sync adapter (the adapter alone pushed, vLLM LoRA)
     ours-hf        the same, synchronous, transformers generate inside the policy worker
 
 Figures: steps/s over steps 2..N (step 1 holds start-up work in both), whole-run wall seconds,
@@ -35,11 +37,11 @@ REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO_ROOT)
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from harness import format_table, machine_line, write_json  # noqa: E402
+from harness import format_table, machine_line, relative_to_base, write_json  # noqa: E402
 
 MODEL = "demo:smollm2-135m-instruct"
 PROMPTS, GENERATIONS, COMPLETION, LR, SEED = 8, 8, 32, 2e-4, 42
-RUNS = ("trl", "ours-sync", "ours-one_step", "ours-hf")
+RUNS = ("trl", "ours-sync", "ours-one_step", "ours-sync-adapter", "ours-one_step-adapter", "ours-hf")
 COLUMNS = [("run", "run", "{}"), ("steps", "steps", "{}"), ("s / step", "step_s", "{:.1f}"),
            ("steps/s", "steps_per_s", "{:.4f}"), ("vs trl", "vs_trl", "{}"), ("wall", "wall_s", "{:.0f} s"),
            ("reward per step", "rewards", "{}"), ("last-5 reward", "last5", "{:.3f}"),
@@ -104,11 +106,17 @@ def ours_child(out_dir: str, steps: int, mode: str) -> None:
                   save_strategy="no", plot_loss=False)
     config.pop("eval_strategy", None)
     config.pop("eval_steps", None)
-    if mode == "hf":
-        config["rollout_backend"] = "hf"
-    else:
-        config["async_rollout"] = mode
+    config.update(ours_settings(mode))
     run_exp(config)
+
+
+def ours_settings(run: str) -> dict:
+    """The config keys of one of our runs (its name less "ours-")."""
+    mode, _, sync = run.partition("-")
+    keys = {"rollout_backend": "hf"} if mode == "hf" else {"async_rollout": {"sync": "off"}.get(mode, mode)}
+    if sync == "adapter":
+        keys["rollout_lora_sync"] = "adapter"
+    return keys
 
 
 class PeakPSS(threading.Thread):
@@ -184,7 +192,7 @@ def step_clock():
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--runs", nargs="+", default=list(RUNS[:3]), choices=RUNS)
+    parser.add_argument("--runs", nargs="+", default=list(RUNS[:5]), choices=RUNS)
     parser.add_argument("--steps", type=int, default=12)
     parser.add_argument("--json")
     parser.add_argument("--child", help=argparse.SUPPRESS)
@@ -199,10 +207,12 @@ def main() -> int:
     rows = []
     for name in args.runs:
         print(f"[bench] {name} ...", file=sys.stderr, flush=True)
-        rows.append(one_run(name, args.steps))
-    trl = next((r["steps_per_s"] for r in rows if r["run"] == "trl"), None)
-    for row in rows:
-        row["vs_trl"] = f"{row['steps_per_s'] / trl:.2f}x" if trl else "n/a"
+        try:
+            rows.append(one_run(name, args.steps))
+        except RuntimeError as exc:  # the other runs' figures still count
+            print(f"[bench] {exc}", file=sys.stderr, flush=True)
+        print(f"[bench] {rows[-1] if rows else ''}", file=sys.stderr, flush=True)
+    relative_to_base(rows, lambda r: r["run"] == "trl", "steps_per_s", "vs_trl")
     print(f"\n{machine_line()}\n{args.steps} steps\n")
     print(format_table(rows, COLUMNS))
     write_json(args.json, rows)

@@ -1,16 +1,14 @@
 """LLaVA-1.5 vision plugin: a fixed 576 ``<image>`` tokens per 336-pixel image; expansion and
 pixel tensors equal LLaMA-Factory 0.9.5's LlavaPlugin with the same CLIP image processor."""
 
-import json
-import subprocess
 
 import pytest
 import torch
 
 from registries.errors import UserError
 from registries.multimodal import get_vision_plugin, load_image
-from tests.ci import skip_or_fail_in_ci
-from tests.registries.test_vision_qwen2_vl import LF_PYTHON, draw
+from tests.llamafactory import run_in_llamafactory
+from tests.registries.test_vision_qwen2_vl import draw
 
 LF_SCRIPT = r"""
 import json, sys
@@ -37,12 +35,7 @@ def clip(crop):
 
 
 def lf_reference(messages, images, crop):
-    if not LF_PYTHON.exists():
-        skip_or_fail_in_ci(f"LLaMA-Factory 0.9.5 venv not found at {LF_PYTHON}")
-    payload = json.dumps({"messages": messages, "images": images, "crop": crop})
-    done = subprocess.run([str(LF_PYTHON), "-c", LF_SCRIPT, payload], capture_output=True, text=True, timeout=240)
-    assert done.returncode == 0, done.stderr[-2000:]
-    return json.loads(done.stdout.strip().splitlines()[-1])
+    return run_in_llamafactory(LF_SCRIPT, {"messages": messages, "images": images, "crop": crop})
 
 
 @pytest.mark.parametrize("crop, seqlen", [(336, 576), (224, 256)])

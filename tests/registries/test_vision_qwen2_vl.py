@@ -1,9 +1,6 @@
 """Qwen2-VL vision plugin: placeholder expansion and image tensors equal LLaMA-Factory 0.9.5's
 Qwen2VLPlugin for the same images and the same (real, offline) Qwen2-VL image processor."""
 
-import json
-import subprocess
-from pathlib import Path
 
 import pytest
 import torch
@@ -12,9 +9,8 @@ from PIL import Image, ImageDraw
 from registries.errors import UserError
 from registries.multimodal import VISION_PLUGINS, VisionPlugin, get_vision_plugin, load_image, register_vision_plugin
 from registries.multimodal.qwen2_vl import preprocess
-from tests.ci import skip_or_fail_in_ci
+from tests.llamafactory import run_in_llamafactory
 
-LF_PYTHON = Path.home() / ".cache/rayfactory/lf-0.9.5/bin/python"
 
 
 def image_processor():
@@ -65,12 +61,7 @@ print(json.dumps({"messages": messages, "grid": mm["image_grid_thw"].tolist(),
 
 
 def lf_reference(messages, images):
-    if not LF_PYTHON.exists():
-        skip_or_fail_in_ci(f"LLaMA-Factory 0.9.5 venv not found at {LF_PYTHON}")
-    payload = json.dumps({"messages": messages, "images": images, "max": MAX_PIXELS, "min": MIN_PIXELS})
-    done = subprocess.run([str(LF_PYTHON), "-c", LF_SCRIPT, payload], capture_output=True, text=True, timeout=240)
-    assert done.returncode == 0, done.stderr[-2000:]
-    return json.loads(done.stdout.strip().splitlines()[-1])
+    return run_in_llamafactory(LF_SCRIPT, {"messages": messages, "images": images, "max": MAX_PIXELS, "min": MIN_PIXELS})
 
 
 def ours(messages, images):

