@@ -1,5 +1,6 @@
-"""Asynchronous rollouts end to end: a real vLLM engine generates the next batch while the policy
-actor trains on this one (stages/rl/rollouts.py), with rollout correction on by default.
+"""Asynchronous rollouts end to end (grpo and ppo): a real vLLM engine generates the next batch
+while the policy actor trains on this one (stages/rl/rollouts.py), with rollout correction on by
+default.
 
 The schedule and its version stamps are tested in-process against an engine that records the
 weights it held (tests/stages/test_async_rollouts.py); here the Ray roles run it for real: the
@@ -58,3 +59,21 @@ def test_killed_bounded_async_run_resumes_with_auto_and_logs_every_step_once(ray
     assert [steps[s]["async/staleness"] for s in (3, 4, 5)] == [0, 1, 2]
     elapsed = [steps[s]["elapsed_time"] for s in range(1, 6)]  # goes on from the killed run's clock
     assert all(later > earlier for earlier, later in zip(elapsed, elapsed[1:])), elapsed
+
+
+def test_ppo_trains_its_policy_and_critic_on_one_step_old_samples(ray_session, tmp_path):
+    """Stage ppo (critic, GAE, KL in the reward) through the same asynchronous rollouts: stale
+    samples (staleness 1, a visible sampler/policy gap) re-weighted by the correction, while the
+    critic learns its values (its loss falls)."""
+    from tests.e2e.test_rl_resume import ppo_config
+
+    config = ppo_config(tmp_path / "out", rollout_backend="vllm", model_name_or_path="tiny:qwen2,num_heads=2",
+                        reward_funcs=["digit_ratio"], async_rollout="one_step", temperature=1.0, max_steps=5,
+                        rollout_num_engines=1, rollout_resources={"CPU": 1})
+    result = run_exp(config)
+
+    steps = _steps(result.output_dir)
+    assert [steps[s]["async/staleness"] for s in range(1, 6)] == [0, 1, 1, 1, 1]
+    later = [steps[s] for s in range(2, 6)]
+    assert all(r["rollout_logprob_diff"] > 1e-3 and r["rollout_is_ratio_mean"] != 1.0 for r in later)
+    assert steps[5]["value_loss"] < steps[1]["value_loss"]
