@@ -186,7 +186,7 @@ def test_head_without_auth_runs_the_uploaded_code(home):
     listing = set(probe_out["listing"])
     assert {"cluster", "fabric", "stages", "registries", "data", "configs"} <= listing
     assert not listing & {".git", ".venv", "saves", ".pytest_cache", ".ruff_cache"}
-    assert probe_out["kib"] < 5 * 1024  # code and demo data only: .venv alone is GBs
+    assert probe_out["kib"] < 10 * 1024  # code and demo data (~6 MiB by du, pictures included): .venv alone is GBs
 
 
 def test_example_gpu_cluster_yaml_passes_rays_schema():

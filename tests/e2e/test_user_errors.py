@@ -170,7 +170,7 @@ def test_dpo_on_single_answer_data_fails_before_ray_starts(tmp_path):
         ),
         (
             {"template": "qwen9"},
-            "template: Unknown template 'qwen9'. Did you mean 'qwen', 'qwen3'? Run `rayfactory templates`",
+            "template: Unknown template 'qwen9'. Did you mean 'qwen', 'qwen3', 'qwen2_vl'? Run `rayfactory templates`",
         ),
         (
             {"model_name_or_path": "./models/my-model"},
