@@ -33,6 +33,7 @@ def check_rl(run, where: Callable[[str], str], local: bool = True) -> None:
                 load_reward_funcs(run.rl.reward_funcs, run.rl.reward_weights, run_modules=local)
     except RewardFunctionError as exc:
         raise ConfigError(f"reward_funcs in {where('reward_funcs')}: {exc}") from None
+    _check_environment(run, where, local)
     if run.finetuning.reward_model and not stage.rl.reward_model:
         readers = ", ".join(s.name for s in STAGES.values() if s.rl is not None and s.rl.reward_model)
         raise ConfigError(
@@ -101,6 +102,25 @@ def check_rl(run, where: Callable[[str], str], local: bool = True) -> None:
             f"(each needs at least one). Raise rollout_batch_size (in {where('rollout_batch_size')}) or lower "
             "ray_num_workers."
         )
+
+
+def _check_environment(run, where: Callable[[str], str], local: bool) -> None:
+    """A multi-turn run's environment and tools load (found, not run, when submitted elsewhere)."""
+    from stages.rl.environments import EnvironmentSpecError, load_environment
+    from stages.rl.rewards import importable_from
+    from stages.rl.tools import ToolError, load_tools
+
+    rl = run.rl
+    try:
+        with importable_from(os.getcwd()):
+            if rl.tools:
+                load_tools(rl.tools, run_modules=local)
+            if rl.environment not in (None, "tools"):
+                load_environment(rl.environment, run_module=local)
+    except ToolError as exc:
+        raise ConfigError(f"tools in {where('tools')}: {exc}") from None
+    except EnvironmentSpecError as exc:
+        raise ConfigError(f"environment in {where('environment')}: {exc}") from None
 
 
 def _check_adapter_sync(run, where: Callable[[str], str]) -> None:

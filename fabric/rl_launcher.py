@@ -14,6 +14,7 @@ latest complete checkpoint in output_dir, up to max_failures times (-1: always).
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 from dataclasses import dataclass, field
@@ -192,6 +193,10 @@ def prompt_rows(dataset: "ray.data.Dataset", tokenizer) -> list[PromptRow]:
             input_ids=input_ids,
             prompt_text=tokenizer.decode(input_ids, skip_special_tokens=False),
             reference=tokenizer.decode(labels, skip_special_tokens=True).strip(),
+            columns=json.loads(row.get("columns") or "{}"),
+            messages=json.loads(row.get("messages") or "[]"),
+            system=row.get("system") or "",
+            tools=row.get("tools") or "",
         ))
     return rows
 

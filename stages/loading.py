@@ -9,6 +9,8 @@ import torch
 
 from registries.errors import UserError
 from registries.models import DEMO_PREFIX, demo_model_path, load_tokenizer, tiny_model_path
+from registries.models.families import family_for_model_type, is_registered_model_type
+from registries.multimodal import load_image_processor
 from registries.templates.autodetect import resolve_template
 from registries.templates.formatters import FunctionFormatter, ToolFormatter
 
@@ -60,9 +62,12 @@ def load_tokenizer_and_template(model_args, data_args, for_requests: bool = Fals
     """The tokenizer fixed for the template (eos/pad/stop words) and the template with the
     data options (default_system, tool_format, enable_thinking, escape_special_tokens) applied.
     ``for_requests``: the template encodes untrusted requests (inference), not training data."""
-    tokenizer = load_tokenizer(resolve_model_path(model_args.model_name_or_path))
+    path = resolve_model_path(model_args.model_name_or_path)
+    tokenizer = load_tokenizer(path)
     template = resolve_template(data_args.template, tokenizer)
     template = customize_template(template, data_args, for_requests)
+    if template.mm_plugin is not None:  # a vision template: image rows need the model's image processor
+        template = dataclasses.replace(template, image_processor=load_image_processor(path))
     template.fix_tokenizer(tokenizer)
     return tokenizer, template
 
@@ -127,18 +132,25 @@ def model_config(model_args):
     )
 
 
+def auto_model_class(config):
+    """The transformers auto class that loads this model for training: AutoModelForCausalLM, or for
+    a vision-language family (registries/models/families.py) AutoModelForImageTextToText."""
+    import transformers
+
+    model_type = getattr(config, "model_type", None)
+    if model_type and is_registered_model_type(model_type):
+        return getattr(transformers, family_for_model_type(model_type).auto_class)
+    return transformers.AutoModelForCausalLM
+
+
 def model_skeleton(model_args):
     """The model's module tree on the meta device: every module and shape, no weights in memory."""
-    from transformers import AutoModelForCausalLM
-
     config = model_config(model_args)
     with torch.device("meta"):
-        return AutoModelForCausalLM.from_config(config, trust_remote_code=model_args.trust_remote_code)
+        return auto_model_class(config).from_config(config, trust_remote_code=model_args.trust_remote_code)
 
 
 def load_model(model_args, finetuning_args, tokenizer, training_args=None, is_trainable: bool = True):
-    from transformers import AutoModelForCausalLM
-
     kwargs = dict(
         dtype=model_dtype(model_args, training_args, finetuning_args.finetuning_type),
         trust_remote_code=model_args.trust_remote_code,
@@ -148,7 +160,8 @@ def load_model(model_args, finetuning_args, tokenizer, training_args=None, is_tr
     quant = _quantization_config(model_args)
     if quant is not None:
         kwargs["quantization_config"] = quant
-    model = AutoModelForCausalLM.from_pretrained(resolve_model_path(model_args.model_name_or_path), **kwargs)
+    model_class = auto_model_class(model_config(model_args))
+    model = model_class.from_pretrained(resolve_model_path(model_args.model_name_or_path), **kwargs)
     embeddings = model.get_input_embeddings().weight
     # ZeRO-3 partitions weights at load (shape (0,) on every rank); ds_shape is the real shape.
     if len(tokenizer) > getattr(embeddings, "ds_shape", embeddings.shape)[0]:

@@ -88,7 +88,8 @@ class FinetuningArguments:
     ref_model_adapters: list[str] | None = None
     # Stage ppo scores completions with reward_model (a stage rm output) and/or reward_funcs.
     # reward_model_type, as in LLaMA-Factory: lora, an rm adapter on the policy's own base model;
-    # full, a whole reward model of its own; api is not built (an error says so).
+    # full, a whole reward model of its own; api, reward_model is the URL of a reward server (or an
+    # LLM judge's /v1/chat/completions) that the controller calls (stages/rl/remote_reward.py).
     reward_model: str | None = None
     reward_model_adapters: list[str] | None = None
     reward_model_type: Literal["lora", "full", "api"] = "lora"
@@ -163,6 +164,12 @@ class FinetuningArguments:
     def spec(self) -> StageSpec:
         """This stage's entry in the stage table."""
         return get_stage(self.stage)
+
+    @property
+    def reward_model_folder(self) -> str | None:
+        """The reward model to load (an rm output); None when there is none or it is a remote API
+        (reward_model_type api: reward_model is then a URL, scored from the controller)."""
+        return None if self.reward_model_type == "api" else self.reward_model
 
     @property
     def use_ref_model(self) -> bool:

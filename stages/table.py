@@ -91,7 +91,7 @@ class RLSpec:
             roles.append("rollout")
         if self.critic and rl_args.uses_critic:
             roles.append("critic")
-        if self.reward_model and finetuning_args.reward_model:
+        if self.reward_model and finetuning_args.reward_model_folder:  # api: a URL, called from the controller
             roles.append("reward")
         return tuple(roles)
 

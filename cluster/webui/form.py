@@ -24,14 +24,20 @@ from registries.errors import UserError
 class Field:
     key: str  # the config key, LLaMA-Factory's name
     section: str  # the YAML section it is written under ("### model" ...)
-    kind: str  # text | number | select | datasets | check
+    kind: str  # text | number | select | datasets | check | list
     default: Any = ""
     choices: tuple = ()  # select: fixed choices; filled from the registries by `form_spec`
     help: str = ""
     when: tuple = ()  # ("stage", "dpo", "kto"): shown (and written) only when that field has one of these values
+    item: str = "text"  # list: what its comma-separated entries are (text | number); written as a YAML list
 
 
-SECTIONS = ("model", "method", "dataset", "output", "train", "ray")
+SECTIONS = ("model", "method", "rl", "dataset", "output", "train", "ray")
+# The stages with an RL options group (stages/table.py: an ``rl`` entry; a test keeps the two in step).
+RL_STAGES = ("grpo", "ppo")
+RL = ("stage", *RL_STAGES)
+# RL keys whose choices are their Literal type in stages/rl/rl_args.py (filled by `form_spec`).
+RL_LITERALS = ("advantage_estimator", "loss_type", "rollout_backend", "async_rollout")
 FIELDS: tuple[Field, ...] = (
     Field("model_name_or_path", "model", "text", "tiny:qwen2",
           help="hub id, local folder, tiny:<family> (random-init, offline) or demo:smollm2-135m-instruct"),
@@ -49,6 +55,44 @@ FIELDS: tuple[Field, ...] = (
     Field("pref_loss", "method", "select", "sigmoid", choices=("sigmoid", "hinge", "ipo", "orpo", "simpo"),
           when=("stage", "dpo")),
     Field("pref_beta", "method", "number", 0.1, when=("stage", "dpo", "kto")),
+    # --- RL (stage grpo / ppo; stages/rl/rl_args.py). Blank: the stage's own default, not written.
+    Field("reward_funcs", "rl", "list", "", when=RL,
+          help="comma-separated; built-ins exact_match, digit_ratio, final_number, number_format, short_answer, "
+               "starts_with_answer, or module.path:function (grpo needs one; ppo: beside or instead of "
+               "reward_model)"),
+    Field("reward_weights", "rl", "list", "", item="number", when=RL,
+          help="one weight per reward function, comma-separated; blank: 1.0 each"),
+    Field("reward_model", "rl", "text", "", when=("stage", "ppo"),
+          help="a stage rm output (folder), or a reward server's URL with reward_model_type api"),
+    Field("reward_model_type", "rl", "select", "", choices=("lora", "full", "api"), when=("stage", "ppo"),
+          help="lora: an rm adapter on this base model; full: a model of its own; api: a URL; blank: lora"),
+    Field("num_generations", "rl", "number", "", when=RL, help="completions per prompt; blank: 4 (ppo: 1)"),
+    Field("rollout_batch_size", "rl", "number", "", when=RL,
+          help="prompts per step; blank: 8 (ppo: batch size x accumulation x ppo_buffer_size x workers)"),
+    Field("max_completion_length", "rl", "number", "", when=RL,
+          help="tokens per completion (multi-turn: the whole trajectory); blank: 32 (ppo: max_new_tokens)"),
+    Field("beta", "rl", "number", "", when=RL, help="KL-to-reference weight, 0 loads no reference; blank: 0 "
+                                                    "(ppo: 0.2, the adaptive controller's start)"),
+    Field("loss_type", "rl", "select", "", when=RL, help="blank: dapo (token mean)"),
+    Field("advantage_estimator", "rl", "select", "", when=RL,
+          help="blank: group_norm (ppo: gae, its critic)"),
+    Field("epsilon", "rl", "number", "", when=RL, help="clip range of the probability ratio; blank: 0.2"),
+    Field("num_iterations", "rl", "number", "", when=RL, help="policy updates per rollout batch; blank: 1"),
+    Field("rollout_backend", "rl", "select", "", when=RL,
+          help="vllm: engines of their own; hf: generate() in the policy workers; blank: vllm"),
+    Field("async_rollout", "rl", "select", "", when=RL,
+          help="off; one_step: the next batch is sampled while this one trains; bounded: up to max_staleness "
+               "batches ahead; blank: off"),
+    Field("max_staleness", "rl", "number", "", when=RL,
+          help="batches the engines may run ahead (async_rollout bounded only); blank: 1 for one_step, 2 for bounded"),
+    Field("environment", "rl", "text", "", when=RL,
+          help="multi-turn rollouts: tools (built-in) or module.path:Class; blank: tools if tools are listed, "
+               "else single-turn"),
+    Field("tools", "rl", "list", "", when=RL,
+          help="comma-separated; built-ins calculator, python, or module.path:tool"),
+    Field("max_turns", "rl", "number", "", when=RL, help="policy turns per trajectory; blank: 4"),
+    Field("max_turn_tokens", "rl", "number", "", when=RL,
+          help="tokens of one policy turn; blank: max_completion_length"),
     Field("dataset_dir", "dataset", "text", "data", help="the folder with dataset_info.json"),
     Field("dataset", "dataset", "datasets", ""),
     Field("eval_dataset", "dataset", "datasets", ""),
@@ -88,11 +132,33 @@ def form_spec() -> dict[str, Any]:
             choices = ("auto", *sorted(list_templates()))
         elif f.key == "stage":
             choices = tuple(STAGES)
+        elif f.key in RL_LITERALS:
+            choices = rl_choices(f.key)
+        elif f.key == "reward_model_type":
+            from stages.run_args import FinetuningArguments
+
+            choices = literal_choices(FinetuningArguments, f.key)
         if f.kind == "select" and f.key not in REQUIRED_CHOICES:
             choices = ("", *choices)
         fields.append({**asdict(f), "choices": list(choices)})
     return {"sections": list(SECTIONS), "fields": fields, "extra_text": extra_text(NEW_FORM_EXTRA),
             "models": model_suggestions()}
+
+
+def rl_choices(key: str) -> tuple[str, ...]:
+    """The values an RL select offers: the Literal of its RLArguments field, the loader's own check."""
+    from stages.rl.rl_args import RLArguments
+
+    return literal_choices(RLArguments, key)
+
+
+def literal_choices(cls: type, key: str) -> tuple[str, ...]:
+    import typing
+
+    hint = typing.get_type_hints(cls)[key]
+    while typing.get_origin(hint) is not typing.Literal:  # Optional[Literal[...]]
+        hint = next(a for a in typing.get_args(hint) if a is not type(None))
+    return tuple(typing.get_args(hint))
 
 
 def model_suggestions() -> list[str]:
@@ -144,6 +210,8 @@ def form_from_config(config: dict[str, Any]) -> tuple[dict[str, Any], dict[str, 
                 extra[key] = value
         elif f.kind == "datasets":
             values[key] = value if isinstance(value, list) else [v.strip() for v in str(value).split(",") if v.strip()]
+        elif f.kind == "list":  # the text box's comma-separated entries; _typed makes the list again
+            values[key] = ", ".join(map(str, value)) if isinstance(value, list) else value
         else:
             values[key] = value
     for f in FIELDS:  # a field the YAML leaves out is blank, not the form's default
@@ -171,17 +239,32 @@ def _typed(f: Field, value: Any) -> Any:
         names = value if isinstance(value, list) else str(value).split(",")
         names = [n.strip() for n in names if str(n).strip()]
         return ",".join(names) or None
+    if f.kind == "list":  # "a, b" (or a JSON list) -> [a, b]; an entry the CLI would refuse stays text
+        entries = value if isinstance(value, list) else str(value if value is not None else "").split(",")
+        entries = [e.strip() if isinstance(e, str) else e for e in entries]
+        entries = [e for e in entries if e not in ("", None)]
+        if f.item == "number":
+            entries = [_number(e) if isinstance(e, str) else e for e in entries]
+        return entries or None
     if isinstance(value, str):
         value = value.strip()
         if value == "":
             return None
         if f.kind == "number":
-            for parse in (int, float):
-                try:
-                    return parse(value)
-                except ValueError:
-                    pass
+            return _number(value)
     return value
+
+
+def _number(text: str) -> Any:
+    """An int or float of ``text``, or ``text`` itself when it is neither, or not finite ("nan",
+    "1e999": no config holds those, and JSON cannot carry them back): the CLI names the mistake."""
+    for parse in (int, float):
+        try:
+            number = parse(text)
+        except ValueError:
+            continue
+        return number if math.isfinite(number) else text
+    return text
 
 
 def to_yaml(config: dict[str, Any]) -> str:
@@ -277,6 +360,12 @@ def validate(config: dict[str, Any]) -> dict[str, str] | None:
 
     from ..config import load_config
 
+    for f in FIELDS:  # "nan" or "1e999" in a number field: no config holds those (parse_yaml refuses them)
+        value = config.get(f.key) if f.kind == "number" or f.item == "number" else None
+        bad = [e for e in (value if isinstance(value, list) else [value]) if isinstance(e, str) and _not_finite(e)]
+        if bad:
+            return {"key": f.key, "message": f"{f.key}: {bad[0]!r} is not a finite number; give a finite one"
+                                             f"{' (comma-separated)' if f.kind == 'list' else ''}."}
     try:
         cfg = load_config(dict(config), purpose="train")
     except UserError as exc:
@@ -296,9 +385,19 @@ def validate(config: dict[str, Any]) -> dict[str, str] | None:
     return None
 
 
+def _not_finite(text: str) -> bool:
+    try:
+        return not math.isfinite(float(text))
+    except ValueError:
+        return False
+
+
 def _named_key(message: str, config: dict[str, Any]) -> str:
     """Where the page shows a config error: the first key of the config it quotes (its field, or
     the "more keys" box for a key without one), else the first field it names."""
+    leading = re.match(r"(?:invalid )?([a-z][a-z_0-9]*) in ", message)  # the CLI's "invalid beta in <file>: ..."
+    if leading and leading.group(1) in config:
+        return leading.group(1) if leading.group(1) in FIELD_BY_KEY else "extra"
     quoted = re.findall(r"'([a-z_0-9]+)'", message)
     for candidate in quoted:
         if candidate in config:

@@ -7,12 +7,14 @@ finds it again) and the job runs from the folder the UI was started in, so relat
 config (dataset_dir, output_dir) mean what they mean to ``rayfactory train`` run there. With an
 address the checkout is uploaded as the job's working dir, as ``rayfactory submit`` does.
 
-Progress comes from the run's own ``trainer_log.jsonl``, the console from Ray's job logs.
+Progress and the charts come from the run's own ``trainer_log.jsonl`` (``charts``: the series the
+page draws, picked here so the browser only draws them), the console from Ray's job logs.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import os
 import shlex
 import sys
@@ -30,6 +32,57 @@ from .paths import check_config
 HEAD_FILE = "ray-head.json"
 LOG_TAIL_CHARS = 6000
 ENDED = ("SUCCEEDED", "FAILED", "STOPPED")
+# The run page's charts: (id, title, the trainer_log keys it draws). A chart's series are the keys the
+# log holds; a chart without any is not drawn (except loss, which says it waits for the first one).
+# RL runs log reward (eval_reward when they evaluate) and, multi-turn ones, the mean policy turns
+# and tool calls per trajectory (stages/rl/multi_turn.py's rollout_stats).
+CHARTS = (
+    ("loss", "loss", ("loss", "eval_loss", "value_loss")),
+    ("metric", "accuracy and reward", ("rewards/accuracies", "eval_rewards/accuracies", "reward", "eval_reward")),
+    ("turns", "per trajectory", ("rollout/turns", "rollout/tool_calls")),
+)
+
+
+def read_records(output_dir: str) -> list[dict[str, Any]]:
+    """The run's trainer_log.jsonl records; a line being written (or otherwise not a JSON object) is
+    skipped, not an error: the page polls while the run writes."""
+    from stages.training.callbacks import LOG_FILE  # every stage's log, one JSON line per logged step
+
+    records = []
+    try:
+        with open(os.path.join(output_dir, LOG_FILE), encoding="utf-8", errors="replace") as f:
+            for line in f:
+                try:
+                    record = json.loads(line)
+                except ValueError:
+                    continue
+                if isinstance(record, dict):
+                    records.append(record)
+    except OSError:  # no log yet
+        pass
+    return records
+
+
+def _value(record: dict[str, Any], key: str) -> float | None:
+    value = record.get(key)
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        return None
+    return value
+
+
+def charts(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The series to draw: per chart of CHARTS, one {key, points: [[step, value], ...]} for each of its
+    keys that some record holds as a finite number (with its step, ``current_steps``)."""
+    out = []
+    for chart_id, title, keys in CHARTS:
+        series = []
+        for key in keys:
+            points = [[step, value] for r in records
+                      if (step := _value(r, "current_steps")) is not None and (value := _value(r, key)) is not None]
+            if points:
+                series.append({"key": key, "points": points})
+        out.append({"id": chart_id, "title": title, "series": series})
+    return out
 
 
 @dataclass
@@ -127,15 +180,13 @@ class Runs:
         return sorted(found, key=lambda run: run.started, reverse=True)
 
     def status(self, job_id: str) -> dict[str, Any]:
-        """The job's state, its trainer_log.jsonl records and the tail of its console."""
-        from stages.training.callbacks import read_log
-
+        """The job's state, its progress, the series of its charts and the tail of its console."""
         run = self.get(job_id)
         client = self._client(run.address)
         state = str(client.get_job_status(job_id).value)
         logs = client.get_job_logs(job_id)
-        records = read_log(run.output_dir)
-        last = next((r for r in reversed(records) if "current_steps" in r), {})
+        records = read_records(run.output_dir)
+        last = next((r for r in reversed(records) if _value(r, "current_steps") is not None), {})
         return {
             "job_id": job_id,
             "status": state,
@@ -144,7 +195,7 @@ class Runs:
             "step": last.get("current_steps", 0),
             "total": last.get("total_steps"),
             "remaining_s": last.get("remaining_time"),
-            "records": records,
+            "charts": charts(records),
             "console": logs[-LOG_TAIL_CHARS:],
         }
 

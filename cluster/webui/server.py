@@ -190,6 +190,7 @@ def create_app(share_dir: str, token: str | None = None, job_address: str | None
 # --- requests: what a body must hold -----------------------------------------------------------
 
 MAX_YAML_CHARS = 1_000_000
+MAX_VALUE_CHARS = 100_000  # one form field's text
 MAX_PREVIEW_ROWS = 50
 SCALARS = (str, int, float, bool, type(None))
 
@@ -205,13 +206,17 @@ def _form_parts(body: dict[str, Any]) -> tuple[dict[str, Any], str]:
         f = form.FIELD_BY_KEY.get(key)
         if f is None:
             continue  # not a field: config_from_form never reads it
-        listed = f.kind == "datasets" and isinstance(value, list) and all(isinstance(v, str) for v in value)
+        entries = (str,) if f.kind == "datasets" else SCALARS if f.kind == "list" else None
+        listed = entries is not None and isinstance(value, list) and all(isinstance(v, entries) for v in value)
         if not (listed or isinstance(value, SCALARS)):
-            raise ArgumentError(key, f"values.{key} must be a string, a number or a boolean"
-                                     f"{' (or a list of names)' if f.kind == 'datasets' else ''}, "
+            also = {"datasets": " (or a list of names)", "list": " (or a list of them)"}.get(f.kind, "")
+            raise ArgumentError(key, f"values.{key} must be a string, a number or a boolean{also}, "
                                      f"not a JSON {_json_kind(value)}.")
-        if isinstance(value, float) and not math.isfinite(value):
-            raise ArgumentError(key, f"values.{key} must be a finite number, not {value}.")
+        for item in value if listed else [value]:
+            if isinstance(item, float) and not math.isfinite(item):
+                raise ArgumentError(key, f"values.{key} must be a finite number, not {item}.")
+            if isinstance(item, str) and len(item) > MAX_VALUE_CHARS:
+                raise ArgumentError(key, f"values.{key} is longer than {MAX_VALUE_CHARS} characters.")
     return values, _text(body, "extra_text", "", limit=MAX_YAML_CHARS)
 
 

@@ -14,7 +14,9 @@ import logging
 
 import ray
 
-from registries.datasets.aligner import ALIGNED_COLUMNS, SHOWN_SKIPPED, align_batch, aligned_table, bad_rows_batch
+from registries.datasets.aligner import (
+    ALIGNED_COLUMNS, IMAGES_COLUMN, SHOWN_SKIPPED, align_batch, aligned_table, bad_rows_batch,
+)
 from registries.datasets.data_args import DataArguments
 from registries.datasets.errors import DataConfigError
 from registries.datasets.info import get_dataset_attrs
@@ -59,10 +61,12 @@ def aligned_mixed(names, data_args: DataArguments, stage: StageSpec, seed: int, 
     alignment is left to run with what follows (mixing several reads their lengths, so they run)."""
     attrs = get_dataset_attrs(names, data_args.dataset_dir)
     check_stage_fields(attrs, stage.name, stage.dataset_need)  # before any work: dpo/rm need ranking, ...
-    aligned = [_aligned(attr, data_args, seed) for attr in attrs]
+    # Text datasets mixed with image datasets get an all-null _images column: one schema for all.
+    images = any(attr.has_images for attr in attrs)
+    aligned = [_aligned(attr, data_args, seed, images) for attr in attrs]
     if lazy and len(aligned) == 1:
         return aligned[0]
-    return _mix([materialized(dataset) for dataset in aligned], data_args, seed)
+    return _mix([materialized(dataset) for dataset in aligned], data_args, seed, images)
 
 
 def tokenized(rows, preprocess) -> "ray.data.Dataset":
@@ -81,7 +85,7 @@ def tokenize_windows(rows, preprocess) -> "ray.data.Dataset":
     )
 
 
-def _aligned(attr, data_args: DataArguments, seed: int) -> "ray.data.Dataset":
+def _aligned(attr, data_args: DataArguments, seed: int, images: bool = False) -> "ray.data.Dataset":
     table = read_table(attr, data_args.max_samples, seed)
     check_not_empty(attr, table.num_rows)
     raw = ray.data.from_arrow(table)
@@ -89,15 +93,18 @@ def _aligned(attr, data_args: DataArguments, seed: int) -> "ray.data.Dataset":
         bad = materialized(raw.map_batches(functools.partial(_bad_rows_block, attr=attr), batch_format="pyarrow"))
         if bad.count():
             report_skipped(attr, [r["_error"] for r in bad.take(SHOWN_SKIPPED)], bad.count(), raw.count())
-    return align_rows(raw, attr, data_args.skip_bad_rows)
+    return align_rows(raw, attr, data_args.skip_bad_rows, images)
 
 
-def align_rows(raw, attr, skip_bad_rows: bool) -> "ray.data.Dataset":
-    """Raw rows (read_table's columns) -> aligned rows, lazily."""
-    return raw.map_batches(functools.partial(_align_block, attr=attr, skip_bad_rows=skip_bad_rows), batch_format="pyarrow")
+def align_rows(raw, attr, skip_bad_rows: bool, images: bool = False) -> "ray.data.Dataset":
+    """Raw rows (read_table's columns) -> aligned rows, lazily; ``images``: with an ``_images`` column
+    even when this dataset has none (it is mixed with one that has)."""
+    images = images or attr.has_images
+    block = functools.partial(_align_block, attr=attr, skip_bad_rows=skip_bad_rows, images=images)
+    return raw.map_batches(block, batch_format="pyarrow")
 
 
-def _mix(datasets: list, data_args, seed) -> "ray.data.Dataset":
+def _mix(datasets: list, data_args, seed, images: bool = False) -> "ray.data.Dataset":
     if len(datasets) == 1:
         return datasets[0]
     if data_args.mix_strategy == "concat":
@@ -105,31 +112,35 @@ def _mix(datasets: list, data_args, seed) -> "ray.data.Dataset":
     # Interleaving is a seeded plan over the datasets' lengths (the registries' mix_plan, which
     # load_aligned uses too); aligned rows are small text, so the driver applies it.
     plan = mix_plan([ds.count() for ds in datasets], data_args.mix_strategy, data_args.interleave_probs, seed)
-    tables = [_to_table(ds) for ds in datasets]
+    tables = [_to_table(ds, images) for ds in datasets]
     offsets = list(itertools.accumulate([0] + [t.num_rows for t in tables]))
-    return ray.data.from_arrow(_concat(tables).take([offsets[d] + r for d, r in plan]))
+    return ray.data.from_arrow(_concat(tables, images).take([offsets[d] + r for d, r in plan]))
 
 
 def _split(rows, val_size, seed) -> tuple:
     train_rows, val_rows = split_plan(rows.count(), val_size, seed)
-    table = _to_table(rows)
+    table = _to_table(rows, IMAGES_COLUMN in rows.columns())
     return ray.data.from_arrow(table.take(train_rows)), ray.data.from_arrow(table.take(val_rows))
 
 
-def _to_table(dataset):
+def _to_table(dataset, images: bool = False):
     """A materialized dataset's rows as one pyarrow Table on the driver, in order."""
-    return _concat(ray.get(dataset.to_arrow_refs()))
+    return _concat(ray.get(dataset.to_arrow_refs()), images)
 
 
-def _concat(tables):
+def _concat(tables, images: bool = False):
+    """One table of aligned rows; with none (every block empty), an empty one of the aligned schema
+    (with ``_images`` where the rows have images)."""
     import pyarrow as pa
 
-    return pa.concat_tables(tables) if tables else aligned_table({name: [] for name in ALIGNED_COLUMNS})
+    if tables:
+        return pa.concat_tables(tables)
+    return aligned_table({name: [] for name in ALIGNED_COLUMNS}, images=images)
 
 
 @user_code
-def _align_block(table, attr, skip_bad_rows):
-    return aligned_table(align_batch(table.to_pydict(), attr, skip_bad_rows))
+def _align_block(table, attr, skip_bad_rows, images=False):
+    return aligned_table(align_batch(table.to_pydict(), attr, skip_bad_rows), images=images)
 
 
 @user_code

@@ -8,6 +8,8 @@ An ALIGNED example::
     _system    str ("" if none)           _tools  str, JSON list of function schemas ("" if none)
     _kto_tag   bool, or None unless the dataset has a kto_tag column
     _images    list[str] of checked image paths; present only when the dataset has an images column
+    _extra     str, JSON object of the row's columns its dataset_info entry does not map ("{}" if none):
+               what RL reward functions and environments read (a test case, a difficulty, an id)
     _source_file, _source_row             where the row came from, so later steps can name it too
 
 Rows come from readers.py (``_raw`` JSON text plus source file and row). Everything here is a
@@ -31,7 +33,7 @@ from .info import DatasetAttr
 from .readers import RAW, SOURCE_FILE, SOURCE_ROW
 from .rowcontext import RowContext
 
-ALIGNED_COLUMNS = ("_prompt", "_response", "_system", "_tools", "_kto_tag", SOURCE_FILE, SOURCE_ROW)
+ALIGNED_COLUMNS = ("_prompt", "_response", "_system", "_tools", "_kto_tag", "_extra", SOURCE_FILE, SOURCE_ROW)
 IMAGES_COLUMN = "_images"  # extra column of multimodal datasets (see media.py)
 ERROR_COLUMN = "_error"
 
@@ -48,9 +50,16 @@ def align_row(row: dict[str, Any], attr: DatasetAttr) -> dict[str, Any]:
         problem = f"the row is {describe_type(record)}, expected an object of columns"
         raise DatasetRowError(attr.name, file, number, "", problem)
     example = FORMAT_ALIGNERS[attr.formatting](RowContext(attr, record, file, number))
+    example["_extra"] = extra_columns(record, attr)
     example[SOURCE_FILE] = file
     example[SOURCE_ROW] = number
     return example
+
+
+def extra_columns(record: dict[str, Any], attr: DatasetAttr) -> str:
+    """The row's columns that the entry maps to no role, as JSON text (key order kept)."""
+    mapped = {name for name in attr.columns.values() if name}
+    return json.dumps({k: v for k, v in record.items() if k not in mapped}, ensure_ascii=False)
 
 
 @dataclass
@@ -121,6 +130,7 @@ def aligned_schema(images: bool = False):
             ("_system", pa.string()),
             ("_tools", pa.string()),
             ("_kto_tag", pa.bool_()),
+            ("_extra", pa.string()),
             (SOURCE_FILE, pa.string()),
             (SOURCE_ROW, pa.int64()),
         ]
@@ -128,13 +138,24 @@ def aligned_schema(images: bool = False):
     )
 
 
-def aligned_table(batch: dict[str, list]):
-    """An aligned column batch as a pyarrow Table with ``aligned_schema()``."""
+def aligned_table(batch: dict[str, list], images: bool | None = None):
+    """An aligned column batch as a pyarrow Table with ``aligned_schema()``. ``images`` (None: whether
+    the batch has ``_images``) True gives every table the ``_images`` column, null where the batch
+    lacks it: a text dataset mixed with an image dataset must have the same schema."""
     import pyarrow as pa
 
-    images = IMAGES_COLUMN in batch
+    if images is None:
+        images = IMAGES_COLUMN in batch
     names = ALIGNED_COLUMNS + ((IMAGES_COLUMN,) if images else ())
-    return pa.Table.from_pydict({name: batch[name] for name in names}, schema=aligned_schema(images))
+    rows = len(batch[SOURCE_ROW])
+    columns = {name: batch[name] if name in batch else [None] * rows for name in names}
+    return pa.Table.from_pydict(columns, schema=aligned_schema(images))
+
+
+def with_images_column(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Aligned rows of several datasets, some with images: every row gets ``_images`` (None where its
+    dataset has none), so a batch of them has one set of columns."""
+    return [row if IMAGES_COLUMN in row else {**row, IMAGES_COLUMN: None} for row in rows]
 
 
 def _batch_rows(batch: dict[str, list]) -> list[dict[str, Any]]:

@@ -10,7 +10,7 @@ import logging
 from dataclasses import dataclass, field
 from typing import Any
 
-from .aligner import SHOWN_SKIPPED, align_rows, skipped_summary
+from .aligner import SHOWN_SKIPPED, align_rows, skipped_summary, with_images_column
 from registries.datasets.data_args import DataArguments
 from .errors import DataConfigError, DatasetRowError
 from .info import DatasetAttr, get_dataset_attrs
@@ -73,4 +73,6 @@ def check_not_empty(attr: DatasetAttr, rows: int) -> None:
 
 def _load_mixed(attrs: list[DatasetAttr], args: DataArguments, seed: int, skipped: list) -> list[dict[str, Any]]:
     parts = [load_one(attr, args, seed, skipped) for attr in attrs]
+    if any(attr.has_images for attr in attrs):  # one set of columns when text and image datasets mix
+        parts = [with_images_column(part) for part in parts]
     return mix(parts, args.mix_strategy, args.interleave_probs, seed) if parts else []

@@ -11,7 +11,9 @@ templates re-point eos where a family needs it anyway (``replace_eos``).
 
 Every family registered here is a dense decoder: each weight of its ``...ForCausalLM`` is in
 every step's loss, so its DDP runs skip the search for parameters without a gradient
-(stages/job.py). A mixture-of-experts family would need a flag that says otherwise.
+(stages/job.py). A mixture-of-experts family would need a flag that says otherwise. Vision-language
+families (``vision``: Qwen2-VL) load through ``AutoModelForImageTextToText`` instead; their vision
+tower is not in a text row's loss, so they keep that search (their class is no ``...ForCausalLM``).
 """
 
 from __future__ import annotations
@@ -38,7 +40,16 @@ class ModelFamily:
     chat_tokens: tuple[str, ...] = ()  # special markers: never split, dropped by skip_special_tokens
     plain_tokens: tuple[str, ...] = ()  # single-id tokens that stay visible in decoded text (<think>)
     lora_targets: tuple[str, ...] = ATTENTION_AND_MLP
+    # A vision-language family: the model class is transformers' AutoModelForImageTextToText (a vision
+    # tower + the language model), its tiny model ships the family's image processor, and its
+    # template names a vision plugin (registries/multimodal).
+    vision: bool = False
     notes: str = field(default="", compare=False)
+
+    @property
+    def auto_class(self) -> str:
+        """The transformers auto class that loads this family's checkpoints for training."""
+        return "AutoModelForImageTextToText" if self.vision else "AutoModelForCausalLM"
 
     @property
     def special_tokens(self) -> tuple[str, ...]:
@@ -65,6 +76,7 @@ def register_model_family(
     chat_tokens: Sequence[str] = (),
     plain_tokens: Sequence[str] = (),
     lora_targets: Sequence[str] = ATTENTION_AND_MLP,
+    vision: bool = False,
     notes: str = "",
 ) -> ModelFamily:
     """Declare one family. A name or a model_type that is already taken is an error."""
@@ -96,6 +108,7 @@ def register_model_family(
         chat_tokens=tuple(chat_tokens),
         plain_tokens=tuple(plain_tokens),
         lora_targets=tuple(lora_targets),
+        vision=vision,
         notes=notes,
     )
     MODEL_FAMILIES[name] = family
@@ -169,6 +182,20 @@ _LLAMA3_MARKERS = (
 )
 _CHATML_MARKERS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
 _GEMMA_MARKERS = ("<start_of_turn>", "<end_of_turn>")
+# Qwen2-VL's vision markers, in the order of their ids in the real tokenizer (151646-151656).
+_QWEN_VISION_MARKERS = (
+    "<|object_ref_start|>",
+    "<|object_ref_end|>",
+    "<|box_start|>",
+    "<|box_end|>",
+    "<|quad_start|>",
+    "<|quad_end|>",
+    "<|vision_start|>",
+    "<|vision_end|>",
+    "<|vision_pad|>",
+    "<|image_pad|>",
+    "<|video_pad|>",
+)
 
 register_model_family(
     "llama",
@@ -280,4 +307,20 @@ register_model_family(
     lora_targets=("qkv_proj", "o_proj", "gate_up_proj", "down_proj"),
     notes="Phi-3 / Phi-3.5 fuse q/k/v and gate/up into one linear each. Phi-4-mini is phi3 too "
     "but uses template phi4_mini.",
+)
+
+register_model_family(
+    "qwen2_vl",
+    config_class="Qwen2VLConfig",
+    model_types=["qwen2_vl"],
+    template="qwen2_vl",
+    eos_token="<|im_end|>",
+    pad_token="<|endoftext|>",
+    chat_tokens=_CHATML_MARKERS + _QWEN_VISION_MARKERS,
+    # The language model's projections only: the vision tower's linears are qkv/proj/fc1/fc2 and its
+    # merger's are numbered, so LoRA stays on the language model, as LLaMA-Factory does by default.
+    lora_targets=ATTENTION_AND_MLP,
+    vision=True,
+    notes="Qwen2-VL (Qwen2VLForConditionalGeneration): a ViT with 2x2 patch merging in front of a Qwen2 "
+    "decoder with multimodal rotary positions; images arrive as <|vision_start|><|image_pad|>...<|vision_end|>.",
 )

@@ -63,6 +63,11 @@ def build_tiny_model(
     tokenizer = train_tokenizer(
         spec, default_corpus() if corpus is None else corpus, vocab_size, max_position_embeddings
     )
+    if spec.vision:
+        return _build_tiny_vision_model(spec, out_dir, tokenizer, hidden_size=hidden_size, num_layers=num_layers,
+                                        num_heads=num_heads, num_kv_heads=num_kv_heads,
+                                        intermediate_size=intermediate_size or 2 * hidden_size,
+                                        max_position_embeddings=max_position_embeddings, seed=seed)
     config_class = getattr(transformers, spec.config_class)
     config = config_class(
         vocab_size=len(tokenizer),
@@ -86,14 +91,67 @@ def build_tiny_model(
     with _INIT_LOCK, torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    return _save(model, tokenizer, out_dir)
+
+
+def _save(model, tokenizer, out_dir) -> Path:
+    """The model with the tokenizer's special ids in its generation config, and the tokenizer."""
     model.generation_config.bos_token_id = tokenizer.bos_token_id
     model.generation_config.eos_token_id = tokenizer.eos_token_id
     model.generation_config.pad_token_id = tokenizer.pad_token_id
-
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(out)
     tokenizer.save_pretrained(out)
+    return out
+
+
+def _build_tiny_vision_model(spec, out_dir, tokenizer, *, hidden_size, num_layers, num_heads, num_kv_heads,
+                             intermediate_size, max_position_embeddings, seed) -> Path:
+    """A random-init vision-language model (Qwen2-VL: Qwen2VLForConditionalGeneration) with a tiny
+    language model of the given shape, a tiny vision tower, and the family's real image processor.
+
+    The vision tower keeps the processor's geometry (14-pixel patches, 2 frames per temporal
+    patch, 2x2 merging: 1176 values per patch), so the genuine Qwen2VLImageProcessor feeds it."""
+    import torch
+    import transformers
+
+    head_dim = hidden_size // num_heads
+    if head_dim % 4:
+        raise ValueError(f"{spec.name}: the head size hidden_size/num_heads ({head_dim}) must be a multiple of 4.")
+    half = head_dim // 2  # multimodal rotary positions split each head's frequencies over (t, h, w)
+    hw = half * 3 // 8  # Qwen2-VL's own split of 64 is (16, 24, 24)
+    vision_heads = 2
+    ids = {name: tokenizer.convert_tokens_to_ids(token) for name, token in (
+        ("image_token_id", "<|image_pad|>"), ("video_token_id", "<|video_pad|>"),
+        ("vision_start_token_id", "<|vision_start|>"), ("vision_end_token_id", "<|vision_end|>"))}
+    config = getattr(transformers, spec.config_class)(
+        text_config=dict(
+            vocab_size=len(tokenizer),
+            hidden_size=hidden_size,
+            intermediate_size=intermediate_size,
+            num_hidden_layers=num_layers,
+            num_attention_heads=num_heads,
+            num_key_value_heads=num_kv_heads,
+            max_position_embeddings=max_position_embeddings,
+            rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [half - 2 * hw, hw, hw]},
+            bos_token_id=tokenizer.bos_token_id,
+            eos_token_id=tokenizer.eos_token_id,
+            pad_token_id=tokenizer.pad_token_id,
+        ),
+        vision_config=dict(
+            depth=num_layers, embed_dim=vision_heads * 16, num_heads=vision_heads, mlp_ratio=2,
+            hidden_size=hidden_size, patch_size=14, spatial_merge_size=2, temporal_patch_size=2,
+        ),
+        **ids,
+    )
+    with _INIT_LOCK, torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = getattr(transformers, spec.auto_class).from_config(config, dtype=torch.float32)
+    out = _save(model, tokenizer, out_dir)
+    # The family's genuine image processor (no download: its defaults are Qwen2-VL's); the PIL
+    # backend by name, because torchvision is not installed.
+    transformers.Qwen2VLImageProcessorPil().save_pretrained(out)
     return out
 
 

@@ -31,3 +31,20 @@ def regularize_image(image, max_pixels: int = DEFAULT_MAX_PIXELS, min_pixels: in
     if image.mode != "RGB":
         image = image.convert("RGB")
     return image
+
+
+def load_image_processor(model_path: str):
+    """The image processor a model folder (or hub id) ships, or None for a text-only model.
+
+    A local folder without ``preprocessor_config.json`` has none; a hub id that cannot serve one
+    (offline, or a text model) has none either."""
+    import os
+
+    from transformers import AutoImageProcessor
+
+    if os.path.isdir(model_path) and not os.path.isfile(os.path.join(model_path, "preprocessor_config.json")):
+        return None
+    try:
+        return AutoImageProcessor.from_pretrained(model_path)
+    except (OSError, ValueError):
+        return None

@@ -19,6 +19,7 @@ import random
 from dataclasses import dataclass
 from typing import Any
 
+from .calculator import calculator_datasets
 from .identity import IDENTITY_PAIRS, filled
 from .tasks import ADDITION, COPYING, REVERSAL, TOOL_ADD, TOOL_REVERSE, SyntheticTask
 from .words import WORDS
@@ -123,6 +124,9 @@ def build(seed: int = SEED) -> list[DemoFile]:
     tools = {"formatting": "sharegpt", "columns": {"messages": "conversations", "tools": "tools"}}
     add("tool_calls", "tool_calls.json", tools, _json(_tool_rows(train, 300, rng)))
     add("tool_calls_eval", "tool_calls_eval.json", tools, _json(_tool_rows(held_out, 60, rng)))
+
+    for name, entry, rows in calculator_datasets(seed):  # multi-turn RL with a calculator tool
+        add(name, f"{name}.json", entry, _json(rows))
 
     # Stage ppo's demo preference (sft -> rm -> ppo): a number answers an addition question, a word
     # does not. A reward model learns it in ~150 steps; a policy that still answers with anything

@@ -14,6 +14,7 @@ from __future__ import annotations
 import copy
 import re
 from dataclasses import dataclass, field
+from typing import Any
 
 from .formatters import FunctionFormatter, StringFormatter, ToolFormatter
 from .slots import EOS, CallerText, Slot, join_text, slots_to_ids, slots_to_text
@@ -48,6 +49,9 @@ class Template:
     # The vision plugin (registries/multimodal) that expands <image> for this family, as
     # LLaMA-Factory's template carries mm_plugin; None for text-only templates.
     mm_plugin: str | None = None
+    # The model's image processor (e.g. Qwen2VLImageProcessor), bound by stages/loading.py for a
+    # template with a vision plugin when the model folder has one: what tokenizing image rows needs.
+    image_processor: Any = field(default=None, compare=False, repr=False)
     notes: str = field(default="", compare=False)  # documented deviations from the family's own template
 
     # ---------------------------------------------------------------- encoding

@@ -20,6 +20,8 @@ from typing import Any, MutableMapping
 
 from .common import IGNORE_INDEX, Batch, logger
 from .supervised import encode_supervised_rows
+from .vision import has_image_column
+from registries.errors import UserError
 
 
 def greedy_knapsack(lengths: list[int], capacity: int) -> list[list[int]]:
@@ -79,6 +81,11 @@ def preprocess_packed_supervised(
     batch: Batch, *, tokenizer, template, data_args, stats: MutableMapping[str, int] | None = None
 ) -> dict[str, list[Any]]:
     """sft with ``packing``: tokenize each row as for plain sft, then pack within the batch."""
+    if has_image_column(batch):
+        raise UserError(
+            "packing (and neat_packing) cannot take rows with images yet: a packed sequence would need its "
+            "images' tensors and positions per example. Set packing: false for this dataset."
+        )
     examples = encode_supervised_rows(
         batch, tokenizer=tokenizer, template=template, data_args=data_args, stats=stats
     )

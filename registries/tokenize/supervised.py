@@ -22,6 +22,10 @@ from typing import Any, MutableMapping
 
 from .common import IGNORE_INDEX, Batch, SkipCounter, messages, num_rows, optional_text, row_context
 from .seqlen import infer_seqlen
+from .vision import (
+    IMAGE_CUT, IMAGE_GRID_THW, PIXEL_VALUES, expand_images, has_image_column, image_cells, image_token_id,
+    image_token_total, row_image_paths,
+)
 
 NO_RESPONSE = "no response to train on (prediction-only rows belong to stage=predict)"
 MANY_RESPONSES = (
@@ -86,31 +90,46 @@ def encode_supervised_example(
 
 def encode_supervised_rows(
     batch: Batch, *, tokenizer, template, data_args, stage: str = "sft",
-    stats: MutableMapping[str, int] | None = None,
+    stats: MutableMapping[str, int] | None = None, media: list | None = None,
 ) -> list[tuple[list[int], list[int]]]:
-    """(input_ids, labels) for every usable row of a batch, in order; the rest are counted."""
+    """(input_ids, labels) for every usable row of a batch, in order; the rest are counted.
+
+    A batch with an ``_images`` column has each row's ``<image>`` placeholders expanded by the
+    template's vision plugin (vision.py); ``media`` (a list) then receives each encoded row's
+    processor tensors (None for a row without images), in the same order."""
     skips = SkipCounter(stage)
     encoded = []
+    images = has_image_column(batch)
     for row in range(num_rows(batch)):
         response = messages(batch, "_response", row)
         if len(response) != 1:
             skips.skip(batch, row, "no_response" if not response else "many_responses",
                        NO_RESPONSE if not response else MANY_RESPONSES)
             continue
+        prompt, mm, wanted = messages(batch, "_prompt", row), None, 0
+        paths = row_image_paths(batch, row) if images else []
+        if paths:
+            expanded, mm = expand_images(template, prompt + response, paths, data_args)
+            prompt, response = expanded[:-1], expanded[-1:]
+            wanted = image_token_total(template, expanded)
         with row_context(stage, batch, row):
-            encoded.append(
-                encode_supervised_example(
-                    tokenizer,
-                    template,
-                    messages(batch, "_prompt", row),
-                    response,
-                    optional_text(batch, "_system", row),
-                    optional_text(batch, "_tools", row),
-                    cutoff_len=data_args.cutoff_len,
-                    train_on_prompt=data_args.train_on_prompt,
-                    mask_history=data_args.mask_history,
-                )
+            input_ids, labels = encode_supervised_example(
+                tokenizer,
+                template,
+                prompt,
+                response,
+                optional_text(batch, "_system", row),
+                optional_text(batch, "_tools", row),
+                cutoff_len=data_args.cutoff_len,
+                train_on_prompt=data_args.train_on_prompt,
+                mask_history=data_args.mask_history,
             )
+        if wanted and input_ids.count(image_token_id(tokenizer, template)) != wanted:
+            skips.skip(batch, row, "image_cut", IMAGE_CUT)
+            continue
+        encoded.append((input_ids, labels))
+        if media is not None:
+            media.append(mm)
     skips.report(num_rows(batch), stats)
     return encoded
 
@@ -118,13 +137,19 @@ def encode_supervised_rows(
 def preprocess_supervised(
     batch: Batch, *, tokenizer, template, data_args, stats: MutableMapping[str, int] | None = None
 ) -> dict[str, list[Any]]:
-    """Columns ``input_ids``, ``attention_mask``, ``labels``: one row per usable example."""
+    """Columns ``input_ids``, ``attention_mask``, ``labels``: one row per usable example; with an
+    ``_images`` column also ``pixel_values`` and ``image_grid_thw`` (vision.py)."""
     out: dict[str, list[Any]] = {"input_ids": [], "attention_mask": [], "labels": []}
+    media: list | None = [] if has_image_column(batch) else None
     for input_ids, labels in encode_supervised_rows(
-        batch, tokenizer=tokenizer, template=template, data_args=data_args, stats=stats
+        batch, tokenizer=tokenizer, template=template, data_args=data_args, stats=stats, media=media
     ):
         out["input_ids"].append(input_ids)
         out["attention_mask"].append([1] * len(input_ids))
         out["labels"].append(labels)
+    if media is not None:
+        cells = [image_cells(mm) for mm in media]
+        out[PIXEL_VALUES] = [pixels for pixels, _ in cells]
+        out[IMAGE_GRID_THW] = [grid for _, grid in cells]
     return out
 

@@ -5,10 +5,16 @@
 exactly one response (for scoring predictions) and is empty otherwise. Rows with two responses
 (preference data) are used for their prompt only, as LLaMA-Factory does, so a dpo dataset can
 feed ppo. Prompt and reference share the length budget through ``infer_seqlen``.
+
+The row's conversation also travels as text, for what acts on it rather than on ids: ``messages``
+(JSON of the prompt turns), ``system``, ``tools`` (JSON text, "" when none) and ``columns`` (JSON
+of the dataset's unmapped columns, the aligner's ``_extra``). A multi-turn RL environment resets
+from them, and reward functions receive the columns as keywords.
 """
 
 from __future__ import annotations
 
+import json
 from typing import Any, MutableMapping
 
 from .common import Batch, messages, num_rows, optional_text, row_context
@@ -33,17 +39,22 @@ def encode_unsupervised_example(
 def preprocess_unsupervised(
     batch: Batch, *, tokenizer, template, data_args, stats: MutableMapping[str, int] | None = None
 ) -> dict[str, list[Any]]:
-    """Columns ``input_ids``, ``attention_mask``, ``labels`` (reference ids, maybe empty)."""
-    out: dict[str, list[Any]] = {"input_ids": [], "attention_mask": [], "labels": []}
+    """Columns ``input_ids``, ``attention_mask``, ``labels`` (reference ids, maybe empty), and the
+    row as text: ``messages``, ``system``, ``tools``, ``columns``."""
+    names = ("input_ids", "attention_mask", "labels", "messages", "system", "tools", "columns")
+    out: dict[str, list[Any]] = {name: [] for name in names}
     for row in range(num_rows(batch)):
-        response = messages(batch, "_response", row)
+        prompt, response = messages(batch, "_prompt", row), messages(batch, "_response", row)
+        system, tools = optional_text(batch, "_system", row), optional_text(batch, "_tools", row)
         with row_context("unsupervised", batch, row):
             input_ids, labels = encode_unsupervised_example(
-                tokenizer, template, messages(batch, "_prompt", row), response,
-                optional_text(batch, "_system", row), optional_text(batch, "_tools", row),
-                data_args.cutoff_len,
+                tokenizer, template, prompt, response, system, tools, data_args.cutoff_len,
             )
         out["input_ids"].append(input_ids)
         out["attention_mask"].append([1] * len(input_ids))
         out["labels"].append(labels)
+        out["messages"].append(json.dumps(prompt, ensure_ascii=False))
+        out["system"].append(system)
+        out["tools"].append(tools)
+        out["columns"].append(optional_text(batch, "_extra", row) or "{}")
     return out

@@ -17,7 +17,7 @@ import logging
 import torch
 
 from stages.rl.algorithms import compute_advantages, loss_normalizer, uniform_groups
-from stages.rl.loop import RunProgress, count_steps, reward_columns, rollout_logprob_gap
+from stages.rl.loop import RunProgress, completion_texts, count_steps, reward_columns, rollout_logprob_gap
 from stages.rl.rollouts import greedy_samples, sampling_spec
 from stages.rl.overlong import with_overlong_penalty
 from stages.rl.ppo_math import token_rewards
@@ -25,7 +25,7 @@ from stages.rl.reinforce_pp import ESTIMATORS as REINFORCE_PP, reinforce_pp_adva
 from stages.rl.rewards import RewardSet, load_reward_funcs
 from stages.rl.roles import RLRun
 from stages.rl.steplog import PhaseTimer
-from stages.rl.trainable import completion_mask
+from stages.rl.trainable import loss_token_counts, sample_mask
 from stages.engines.types import SamplingSpec
 from stages.rl.types import RolloutSample
 
@@ -41,18 +41,22 @@ def run_grpo(run: RLRun) -> dict:
     for step, batch in progress.steps(rl.rollout_batch_size):
         timer = PhaseTimer()
         samples = progress.rollout(step, batch, timer)
-        with timer("reward"):
-            scores = rewards.score(
-                [batch[s.group].prompt_text for s in samples],
-                [run.tokenizer.decode(s.completion_ids, skip_special_tokens=True) for s in samples],
-                reward_columns(batch, samples),
-            )
-        raw = torch.tensor(scores.total, dtype=torch.float32)
-        reward, shaping = with_overlong_penalty(raw, samples, rl)  # trained on; raw is logged, as eval_reward
+        reward, values = _score(run, rewards, batch, samples, timer)
         _set_advantages(samples, reward, rl)
         kept = _filter(samples, reward, rl) if rl.dynamic_filtering else samples
-        values = {**_reward_stats(raw, scores, samples, rl.num_generations), **shaping}
         values["pass_rate"] = len(kept) / len(samples)
+        batches = 1
+        # DAPO's dynamic sampling: refill with more prompt batches until rollout_batch_size groups
+        # with a signal are kept, or max_num_gen_batches were generated; then trim to that size.
+        while rl.dynamic_filtering and len(kept) < len(samples) and batches < rl.max_num_gen_batches:
+            extra, more = progress.rollouts.refill(step, batches, timer)
+            more_reward, _ = _score(run, rewards, extra, more, timer)
+            _set_advantages(more, more_reward, rl)
+            kept += _filter(more, more_reward, rl)
+            batches += 1
+        if batches > 1:
+            kept = kept[: len(samples)]
+            values.update({"dynamic/gen_batches": batches, "dynamic/kept_groups": len(kept) // rl.num_generations})
         if len(kept) >= roles.policy_size:
             values.update(_update(roles, kept, rl, sampling.temperature, timer))
         else:  # every group was uniform: nothing to learn from this batch
@@ -61,11 +65,22 @@ def run_grpo(run: RLRun) -> dict:
     return progress.finish(plot_keys=("loss", "reward", "eval_reward", "kl"))
 
 
+def _score(run: RLRun, rewards: RewardSet, batch, samples: list[RolloutSample], timer: PhaseTimer):
+    """The reward each sample is trained on (with the overlong penalty), and the step's reward
+    statistics (of the raw reward, as eval_reward is)."""
+    with timer("reward"):
+        scores = rewards.score([batch[s.group].prompt_text for s in samples], completion_texts(run.tokenizer, samples),
+                               reward_columns(batch, samples, run.tokenizer))
+    raw = torch.tensor(scores.total, dtype=torch.float32)
+    reward, shaping = with_overlong_penalty(raw, samples, run.spec.rl)
+    return reward, {**_reward_stats(raw, scores, samples, run.spec.rl.num_generations), **shaping}
+
+
 def _set_advantages(samples: list[RolloutSample], reward: torch.Tensor, rl) -> None:
     """Each sample's reward and advantage: one per completion from its prompt group, or for
     REINFORCE++ one per token (the reward on the last token, the KL being in the loss here)."""
     if rl.advantage_estimator in REINFORCE_PP:
-        mask = completion_mask([s.completion_ids for s in samples])
+        mask = sample_mask(samples)  # a multi-turn trajectory's observation tokens carry no reward
         rewards = token_rewards(reward, torch.zeros_like(mask), mask, 0.0)
         per_token = reinforce_pp_advantages(rl.advantage_estimator, rewards, mask, rl.num_generations, rl.gamma)
         for sample, r, row in zip(samples, reward.tolist(), per_token):
@@ -94,7 +109,7 @@ def _update(roles, samples: list[RolloutSample], rl, temperature: float, timer: 
             sample.old_logprobs = logprobs
         if temperature == 1.0:
             checks = rollout_logprob_gap(samples, old)
-    normalizer = loss_normalizer(rl.loss_type, [len(s.completion_ids) for s in samples], rl.max_completion_length)
+    normalizer = loss_normalizer(rl.loss_type, loss_token_counts(samples), rl.max_completion_length)
     metrics: dict = {}
     with timer("update"):
         for _ in range(rl.num_iterations):
@@ -126,11 +141,8 @@ def _evaluator(run: RLRun, rewards: RewardSet, sampling: SamplingSpec):
         if not run.eval_prompts:
             return {}
         samples = greedy_samples(run, sampling.max_tokens, sampling.stop_token_ids)
-        scores = rewards.score(
-            [p.prompt_text for p in run.eval_prompts],
-            [run.tokenizer.decode(s.completion_ids, skip_special_tokens=True) for s in samples],
-            reward_columns(run.eval_prompts, samples),
-        )
+        scores = rewards.score([p.prompt_text for p in run.eval_prompts], completion_texts(run.tokenizer, samples),
+                               reward_columns(run.eval_prompts, samples, run.tokenizer))
         out = {"eval_reward": sum(scores.total) / len(scores.total)}
         out.update({f"eval_rewards/{name}": mean for name, mean in scores.means().items()})
         return out

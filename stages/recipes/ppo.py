@@ -22,7 +22,7 @@ import random
 import torch
 
 from stages.rl.algorithms import compute_advantages, kl_penalty, loss_normalizer
-from stages.rl.loop import RunProgress, count_steps, reward_columns, rollout_logprob_gap, split_evenly
+from stages.rl.loop import RunProgress, completion_texts, count_steps, reward_columns, rollout_logprob_gap, split_evenly
 from stages.rl.rollouts import greedy_samples, sampling_spec
 from stages.rl.overlong import with_overlong_penalty
 from stages.rl.ppo_math import RunningMoments, gae, kl_controller, normalize_scores, token_rewards
@@ -30,7 +30,7 @@ from stages.rl.reinforce_pp import ESTIMATORS as REINFORCE_PP, reinforce_pp_adva
 from stages.rl.rewards import load_reward_funcs
 from stages.rl.roles import PPORoles, PromptRow, RLRun
 from stages.rl.steplog import PhaseTimer
-from stages.rl.trainable import completion_mask, pad_rows
+from stages.rl.trainable import loss_token_counts, pad_rows, sample_mask
 from stages.engines.types import SamplingSpec
 from stages.rl.types import RolloutSample
 
@@ -90,7 +90,7 @@ def _experience(roles: PPORoles, samples: list[RolloutSample], scores: torch.Ten
     if rl.uses_critic:
         with timer("values"):
             values = roles.critic_values(samples)
-    mask = completion_mask([s.completion_ids for s in samples])
+    mask = sample_mask(samples)  # multi-turn observation tokens: no KL, reward, advantage or loss
     old_t = pad_rows([torch.tensor(x) for x in old])
     if ref is not None:
         kl_tok = kl_penalty(old_t, pad_rows([torch.tensor(x) for x in ref]), rl.kl_estimator) * mask
@@ -136,10 +136,10 @@ def _train(roles: PPORoles, samples: list[RolloutSample], rl, rng: random.Random
             mini = [samples[i] for i in part]
             metrics: dict = {}
             if rl.uses_critic:
-                tokens = float(sum(len(s.completion_ids) for s in mini))
+                tokens = float(sum(loss_token_counts(mini)))
                 critic = roles.critic_update(mini, max(tokens, 1.0))
                 metrics.update({("value_loss" if k == "loss" else f"critic/{k}"): v for k, v in critic.items()})
-            normalizer = loss_normalizer(rl.loss_type, [len(s.completion_ids) for s in mini], rl.max_completion_length)
+            normalizer = loss_normalizer(rl.loss_type, loss_token_counts(mini), rl.max_completion_length)
             metrics.update(roles.update(mini, normalizer))
             for key, value in metrics.items():
                 if value is not None:
@@ -154,27 +154,56 @@ def _masked_mean(x: torch.Tensor, mask: torch.Tensor) -> float:
 
 class Scorer:
     """A completion's score: the reward model's (reward_model) plus the weighted reward functions'
-    (reward_funcs), either or both. Also scores greedy completions of the eval prompts."""
+    (reward_funcs), either or both. Also scores greedy completions of the eval prompts. With
+    reward_model_type api the reward model is a server (or LLM judge) at the URL reward_model,
+    called from here, the controller (stages/rl/remote_reward.py); no reward actors exist."""
 
     def __init__(self, run: RLRun):
         self.run = run
-        rl = run.spec.rl
+        rl, tuning = run.spec.rl, run.spec.finetuning
         self.rules = load_reward_funcs(rl.reward_funcs, rl.reward_weights) if rl.reward_funcs else None
-        self.use_model = bool(run.spec.finetuning.reward_model)
+        self.use_model = bool(tuning.reward_model)
+        self.remote = None
+        if self.use_model and tuning.reward_model_type == "api":
+            import os
+
+            from stages.rl.remote_reward import HTTPOptions, api_reward
+
+            self.remote = api_reward(tuning.reward_model, HTTPOptions(
+                timeout=rl.reward_api_timeout, retries=rl.reward_api_retries,
+                concurrency=rl.reward_api_concurrency, batch_size=rl.reward_api_batch_size,
+                api_key=os.environ.get("REWARD_API_KEY") or None))  # never in the config (it is saved)
+
+    def _remote_scores(self, batch: list[PromptRow], samples: list[RolloutSample]) -> list:
+        """The API's score of each completion (None: a judge's reply without a score). A reward
+        server speaking plain JSON gets the templated prompt text (OpenRLHF sends prompt + completion
+        as the model saw it); ours and a judge get the conversation's messages."""
+        rows = [batch[s.group] for s in samples]
+        if getattr(self.remote, "protocol", None) == "json":
+            prompts = [row.prompt_text for row in rows]
+        else:
+            prompts = [([{"role": "system", "content": row.system}] if row.system else []) + list(row.messages)
+                       if row.messages else row.prompt_text for row in rows]
+        return self.remote(prompts, completion_texts(self.run.tokenizer, samples), [row.reference for row in rows])
 
     def __call__(self, batch: list[PromptRow], samples: list[RolloutSample]) -> tuple[list[float], dict]:
         total = [0.0] * len(samples)
         stats: dict = {}
-        if self.use_model:
+        if self.remote is not None:
+            remote = self._remote_scores(batch, samples)
+            total = [a + (b or 0.0) for a, b in zip(total, remote)]  # None (no score) adds nothing
+            scored = [b for b in remote if b is not None]
+            stats["rewards/reward_model"] = sum(scored) / len(scored) if scored else float("nan")
+            if not hasattr(self.remote, "protocol"):  # a judge: the share of replies without a score
+                stats["rewards/reward_model_unscored"] = (len(remote) - len(scored)) / len(remote)
+        elif self.use_model:
             model_scores = self.run.roles.reward_scores(samples)
             total = [a + b for a, b in zip(total, model_scores)]
             stats["rewards/reward_model"] = sum(model_scores) / len(model_scores)
         if self.rules is not None:
-            scores = self.rules.score(
-                [batch[s.group].prompt_text for s in samples],
-                [self.run.tokenizer.decode(s.completion_ids, skip_special_tokens=True) for s in samples],
-                reward_columns(batch, samples),
-            )
+            scores = self.rules.score([batch[s.group].prompt_text for s in samples],
+                                      completion_texts(self.run.tokenizer, samples),
+                                      reward_columns(batch, samples, self.run.tokenizer))
             total = [a + b for a, b in zip(total, scores.total)]
             stats.update({f"rewards/{name}": mean for name, mean in scores.means().items()})
         reward = torch.tensor(total)

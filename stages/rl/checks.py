@@ -23,22 +23,18 @@ def check_ppo(run, where: Callable[[str], str]) -> None:
             "stage rm run) or reward_funcs (e.g. [exact_match] or [my_rewards:score]), or both."
         )
     if tuning.reward_model_type == "api":
-        raise RLConfigError(
-            f"reward_model_type api in {where('reward_model_type')}: scoring through a remote reward API is not built "
-            "yet. Use a reward model trained by stage rm (reward_model_type lora or full), or reward_funcs with a "
-            "function of your own that calls the API: a module with score = "
-            "stages.rl.remote_reward.RemoteReward(url) (or JudgeReward(url)) does it, with timeouts and retries "
-            "(docs/rl.md, 'Tools, sandbox and remote rewards')."
-        )
+        check_reward_api(tuning.reward_model, where)
     if tuning.reward_model_adapters:
         raise RLConfigError(
             f"reward_model_adapters in {where('reward_model_adapters')}: adapters on top of a reward model are not "
             "supported; merge them with `rayfactory export` and point reward_model at the export."
         )
-    if rl.critic_init == "reward" and not tuning.reward_model:
+    if rl.critic_init == "reward" and not tuning.reward_model_folder:
+        why = ("reward_model is a URL (reward_model_type api), with no weights to start from"
+               if tuning.reward_model else "no reward_model is set")
         raise RLConfigError(
-            f"critic_init reward in {where('critic_init')} starts the critic from the reward model, but no "
-            "reward_model is set. Use critic_init: policy, or set reward_model."
+            f"critic_init reward in {where('critic_init')} starts the critic from the reward model, but {why}. "
+            "Use critic_init: policy, or set reward_model to a stage rm output."
         )
     mini_batch = rl.completions_per_step // rl.ppo_buffer_size
     ranks = max(run.ray.ray_num_workers, run.ray.critic_num_workers if rl.uses_critic else 1)
@@ -50,12 +46,37 @@ def check_ppo(run, where: Callable[[str], str]) -> None:
         )
 
 
+def check_reward_api(url, where: Callable[[str], str]) -> None:
+    """reward_model_type api: reward_model is the http(s) URL of a reward server or an LLM judge."""
+    from urllib.parse import urlsplit
+
+    problem = None
+    if not url:
+        problem = "reward_model is not set"
+    else:
+        try:
+            parts = urlsplit(str(url))
+            parts.port  # noqa: B018  (raises ValueError for a port that is not a number)
+            if parts.scheme not in ("http", "https") or not parts.hostname:
+                problem = f"reward_model {url!r} is not an http:// or https:// URL with a host"
+        except ValueError as exc:
+            problem = f"reward_model {url!r} is not a valid URL ({exc})"
+    if problem:
+        raise RLConfigError(
+            f"reward_model_type api in {where('reward_model_type')} scores completions through a remote API, so "
+            f"reward_model (in {where('reward_model')}) must be its URL, but {problem}. Set reward_model to e.g. "
+            "http://rm-host:8000/v1/score (`rayfactory serve` of a stage rm output), a server speaking OpenRLHF's "
+            "remote reward JSON (http://host:5000/get_reward), or an LLM judge's "
+            "http://host:8000/v1/chat/completions; or, for a reward model folder, set reward_model_type lora or full."
+        )
+
+
 def check_ppo_reward_model(run, where: Callable[[str], str]) -> None:
     """The reward model folder is the output of a stage rm run, of the configured type."""
     from stages.training.value_head import VALUE_HEAD_FILE, is_adapter_folder
 
     tuning = run.finetuning
-    folder = tuning.reward_model
+    folder = tuning.reward_model_folder  # None for reward_model_type api (a URL)
     if folder:
         if not os.path.isdir(folder):
             raise RLConfigError(

@@ -29,7 +29,7 @@ CRITIC_DIR = "critic"  # the trained critic, inside output_dir (a value model li
 
 def critic_source(spec: "JobSpec") -> str:
     """"reward" or "policy": where the critic's starting weights come from."""
-    return spec.rl.critic_init or ("reward" if spec.finetuning.reward_model else "policy")
+    return spec.rl.critic_init or ("reward" if spec.finetuning.reward_model_folder else "policy")
 
 
 class CriticWorker(TrainableRole):

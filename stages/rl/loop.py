@@ -186,14 +186,25 @@ def prompt_batches(prompts: list[PromptRow], size: int, seed: int) -> Iterator[l
         order = order[size:]
 
 
-def reward_columns(batch: list[PromptRow], samples: list[RolloutSample]) -> dict[str, list]:
-    """What reward functions get besides prompts and completions, one entry per completion."""
-    columns: dict[str, list] = {
-        "reference": [batch[s.group].reference for s in samples],
-        "completion_ids": [s.completion_ids for s in samples],
-    }
-    for name in batch[0].columns if batch else ():
-        columns[name] = [batch[s.group].columns.get(name) for s in samples]
+def completion_texts(tokenizer, samples: list[RolloutSample]) -> list[str]:
+    """What reward functions score as each completion: its text, or a multi-turn trajectory's
+    final policy turn (its answer; stages/rl/episodes.py)."""
+    return [tokenizer.decode(s.completion_ids[s.answer_start:], skip_special_tokens=True) for s in samples]
+
+
+def reward_columns(batch: list[PromptRow], samples: list[RolloutSample], tokenizer=None) -> dict[str, list]:
+    """What reward functions get besides prompts and completions, one entry per completion: every
+    extra dataset column (None where a row lacks it), then ``reference`` and ``completion_ids``
+    (which win over columns of those names), and for multi-turn samples ``trajectory`` (the whole
+    completion as text; needs ``tokenizer``), ``turns`` and ``tool_calls``."""
+    names = dict.fromkeys(name for row in batch for name in row.columns)
+    columns: dict[str, list] = {name: [batch[s.group].columns.get(name) for s in samples] for name in names}
+    columns["reference"] = [batch[s.group].reference for s in samples]
+    columns["completion_ids"] = [s.completion_ids for s in samples]
+    if tokenizer is not None and any(s.loss_mask for s in samples):
+        columns["trajectory"] = [tokenizer.decode(s.completion_ids, skip_special_tokens=True) for s in samples]
+        columns["turns"] = [s.turns for s in samples]
+        columns["tool_calls"] = [s.tool_calls for s in samples]
     return columns
 
 
@@ -203,7 +214,7 @@ def rollout_logprob_gap(samples: list[RolloutSample], policy_logprobs: list[list
     or a precision mismatch, shows here first (verl's rule of thumb: investigate above ~0.01).
     Only meaningful at temperature 1, where the sampler reports the same quantity."""
     gaps = [abs(a - b) for s, mine in zip(samples, policy_logprobs) if s.rollout_logprobs
-            for a, b in zip(s.rollout_logprobs, mine)]
+            for a, b in zip(s.rollout_logprobs, mine) if not math.isnan(a)]  # NaN: an observation token
     return {"rollout_logprob_diff": sum(gaps) / len(gaps), "rollout_logprob_diff_max": max(gaps)} if gaps else {}
 
 

@@ -41,6 +41,7 @@ class _Trajectory:
     env_max_turns: Optional[int]
     prompt_ids: list[int]
     ids: list[int] = field(default_factory=list)
+    answer_start: int = 0  # where the last policy turn begins in ids
     mask: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     reward: float = 0.0
@@ -59,10 +60,10 @@ def first_prompt_ids(template, tokenizer, first: Observation, tools: Sequence,
     return prompt
 
 
-def assistant_tail_ids(template, tokenizer, tool_call: bool = False) -> list[int]:
-    """The ids the template renders after a reply's stop token (the model stops at it, so the rest
-    of the turn, e.g. Qwen's newline, is not sampled); [] when the stop token ends the turn. A reply
-    with a tool call is a ``function`` turn in the template, so its end comes from that format."""
+def assistant_end_ids(template, tokenizer, tool_call: bool = False) -> list[int]:
+    """The ids that close an assistant turn in the template, from its stop token on (e.g. Qwen's
+    ``<|im_end|>`` and newline); [] when the format has no stop token. A reply with a tool call is a
+    ``function`` turn in the template, so its end comes from that format."""
     if tool_call:
         slots = template.format_function.apply('[{"name": "f", "arguments": {}}]', thought_words=template.thought_words)
     else:
@@ -70,7 +71,13 @@ def assistant_tail_ids(template, tokenizer, tool_call: bool = False) -> list[int
     ids = slots_to_ids(tokenizer, slots)
     stops = set(template.stop_token_ids(tokenizer))
     last = max((i for i, t in enumerate(ids) if t in stops), default=None)
-    return [] if last is None else ids[last + 1:]
+    return [] if last is None else ids[last:]
+
+
+def assistant_tail_ids(template, tokenizer, tool_call: bool = False) -> list[int]:
+    """What the template renders after a reply's stop token (the model stops at it, so the rest of
+    the turn, e.g. Qwen's newline, is not sampled); [] when the stop token ends the turn."""
+    return assistant_end_ids(template, tokenizer, tool_call)[1:]
 
 
 def observation_ids(template, tokenizer, text: str) -> list[int]:
@@ -96,24 +103,27 @@ def multi_turn_rollout(
     estimators read), each a RolloutSample with ``loss_mask``, ``turns``, ``tool_calls`` and the
     environment's summed reward.
 
-    ``rows``: the environment's rows (``{"prompt", "reference", **extra columns}``).
+    ``rows``: the environment's rows (``{"prompt", "reference", **extra columns}``); a row's
+    ``system`` text, when it has one, replaces ``system``.
     ``make_environment()``: a fresh environment per trajectory. ``sampling.max_tokens`` caps one
     turn; ``max_total_tokens`` (default ``sampling.max_tokens``) caps a trajectory's whole
     completion, sampled and observation tokens together (the sequence the policy trains on). A
-    reply cut by either cap ends the trajectory as truncated; so does reaching ``max_turns`` (or
-    the environment's own) with the environment still wanting another turn.
+    reply cut by the trajectory's budget ends it as truncated, and so does reaching ``max_turns``
+    (or the environment's own) with the environment still wanting another turn; a reply cut by the
+    turn's cap goes to the environment (``truncated`` then says whether the last turn was cut).
     """
     if max_turns < 1:
         raise ValueError(f"max_turns must be at least 1, got {max_turns}.")
     budget = max_total_tokens if max_total_tokens is not None else sampling.max_tokens
-    tails = {call: assistant_tail_ids(template, tokenizer, call) for call in (False, True)}
+    ends = {call: assistant_end_ids(template, tokenizer, call) for call in (False, True)}
     trajectories = []
     for group, row in enumerate(rows):
         for _ in range(sampling.n):
             env = make_environment()
             first = env.reset(row)
             trajectories.append(_Trajectory(group, env, getattr(env, "max_turns", None),
-                                            first_prompt_ids(template, tokenizer, first, env.tools, system)))
+                                            first_prompt_ids(template, tokenizer, first, getattr(env, "tools", ()),
+                                                             row.get("system") or system)))
     turn = 0
     while True:
         active = [t for t in trajectories if not t.done]
@@ -127,7 +137,7 @@ def multi_turn_rollout(
         turn += 1
         completions = _by_prompt(generate([t.prompt_ids + t.ids for t in active], turn_sampling), len(active))
         for t, c in zip(active, completions):
-            _take_turn(t, c, budget, max_turns, template, tokenizer, tails, environment_name)
+            _take_turn(t, c, budget, max_turns, template, tokenizer, ends, environment_name)
     return [_sample(t) for t in trajectories]
 
 
@@ -138,17 +148,25 @@ def _by_prompt(completions: list[Completion], count: int) -> list[Completion]:
 
 
 def _take_turn(t: _Trajectory, c: Completion, budget: int, max_turns: int, template, tokenizer,
-               tails: dict[bool, list[int]], environment_name: str) -> None:
+               ends: dict[bool, list[int]], environment_name: str) -> None:
     """Append one sampled turn (cut to what the trajectory's budget leaves) and, unless it ends
-    the trajectory, the environment's observation."""
+    the trajectory, the environment's observation.
+
+    A reply the trajectory's budget cut ends the trajectory (there is no room for more). A reply
+    that only reached the turn's own cap (``sampling.max_tokens``) goes to the environment like any
+    other, which decides what it is worth; if the episode goes on, the turn's closing ids (the stop
+    token it did not sample, then the rest) come before the observation, masked out like it."""
     ids = list(c.token_ids[:max(budget - len(t.ids), 0)])
     cut = len(ids) < len(c.token_ids)
+    unfinished = cut or c.finish_reason == "length"
+    t.answer_start = len(t.ids)
     t.ids += ids
     t.mask += [1] * len(ids)
     t.logprobs += list(c.logprobs[:len(ids)]) if c.logprobs is not None else [NO_LOGPROB] * len(ids)
     t.turns += 1
-    if cut or c.finish_reason == "length":  # an unfinished reply: no answer and nothing to act on
-        t.done = t.truncated = True
+    t.truncated = unfinished
+    if cut:  # the budget ran out inside the reply: no answer to act on
+        t.done = True
         return
     reply = tokenizer.decode(ids, skip_special_tokens=True)  # the environment's copy only; ids stay as sampled
     step = check_step(environment_name, t.env.step(reply))
@@ -157,8 +175,8 @@ def _take_turn(t: _Trajectory, c: Completion, budget: int, max_turns: int, templ
         t.done = True
         return
     calls = template.extract_tool_calls(reply)
-    tail = tails[isinstance(calls, list) and bool(calls)]
-    appended = tail + observation_ids(template, tokenizer, step.observation)
+    end = ends[isinstance(calls, list) and bool(calls)]
+    appended = (end if unfinished else end[1:]) + observation_ids(template, tokenizer, step.observation)
     if t.turns >= min(max_turns, t.env_max_turns or max_turns) or len(t.ids) + len(appended) >= budget:
         # No next turn: end on the policy's own turn rather than on an observation it never answers.
         t.done = t.truncated = True
@@ -171,7 +189,8 @@ def _take_turn(t: _Trajectory, c: Completion, budget: int, max_turns: int, templ
 
 def _sample(t: _Trajectory) -> RolloutSample:
     return RolloutSample(t.prompt_ids, t.ids, group=t.group, reward=t.reward, rollout_logprobs=t.logprobs,
-                         truncated=t.truncated, loss_mask=t.mask, turns=t.turns, tool_calls=t.tool_calls)
+                         truncated=t.truncated, loss_mask=t.mask, turns=t.turns, tool_calls=t.tool_calls,
+                         answer_start=t.answer_start)
 
 
 def rollout_stats(samples: Sequence[RolloutSample]) -> dict[str, float]:

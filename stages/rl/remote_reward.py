@@ -18,6 +18,9 @@ server. Two protocols, chosen by the URL:
 included) to grade each completion with a rubric and parses "Score: N" from the reply, scaled to
 [0, 1]; a reply without a score gives None ("does not apply", as for reward functions).
 
+``api_reward(url)`` is what ``reward_model_type: api`` calls from the PPO controller: a judge for a
+URL ending in ``/chat/completions``, else a reward server (its protocol by the URL, as above).
+
 Both are reward functions in rewards.py's convention (``fn(prompts, completions, reference, ...)``),
 so a user module can hand one to ``reward_funcs`` today. Every attempt has a timeout (bounding the
 whole reply, not only each read), failed attempts are retried with exponential backoff
@@ -249,6 +252,14 @@ class JudgeReward:
             raise RemoteRewardError(f"The judge endpoint {self.url} answered {str(reply)[:200]!r}, not a chat "
                                     "completion (choices[0].message.content).") from None
         return parse_score(content, self.max_score)
+
+
+def api_reward(url: str, options: HTTPOptions = HTTPOptions()) -> Union[RemoteReward, JudgeReward]:
+    """``reward_model_type: api``'s scorer for ``reward_model`` = ``url``: an LLM judge (default rubric,
+    the first served model) for an OpenAI-style ``.../chat/completions`` URL, else a reward server."""
+    if url.rstrip("/").endswith("/chat/completions"):
+        return JudgeReward(url, options=options)
+    return RemoteReward(url, options=options)
 
 
 def _pool_map(fn: Callable[[Any], Any], items: list, concurrency: int) -> list:

@@ -105,7 +105,13 @@ def short_answer(prompts, completions, completion_ids, **kwargs):
     return [1.0 - min(len(ids) / SHORT_ANSWER_TOKENS, 1.0) for ids in completion_ids]
 
 
-for _fn in (exact_match, starts_with_answer, final_number, number_format, digit_ratio, short_answer):
+def tool_use(prompts, completions, tool_calls):  # no **kwargs: a run without the column is told so
+    """1.0 if the trajectory called a tool whose result came back (a multi-turn run's
+    ``tool_calls`` column: environment: tools), else 0.0: the tool-call format signal."""
+    return [float(calls > 0) for calls in tool_calls]
+
+
+for _fn in (exact_match, starts_with_answer, final_number, number_format, digit_ratio, short_answer, tool_use):
     register_reward(_fn.__name__, _fn)
 
 

@@ -45,6 +45,15 @@ class RLArguments:
     # old, verl's one-step-off); bounded, up to max_staleness batches ahead (versions old).
     async_rollout: Literal["off", "one_step", "bounded"] = "off"
     max_staleness: Optional[int] = None  # None: 0 when off, 1 for one_step, 2 for bounded
+    # --- multi-turn rollouts (stages/rl/episodes.py) ---------------------------------------------
+    # An environment makes each rollout a conversation: the policy's turns and the environment's
+    # observations (tool results) until an answer, max_turns, or max_completion_length, which caps
+    # the whole trajectory (sampled and observation tokens: what the policy trains on).
+    environment: Optional[str] = None  # "tools" (built-in) or "module.path:Class"; None: tools if listed
+    environment_kwargs: dict[str, Any] = field(default_factory=dict)  # a custom environment's arguments
+    tools: list[str] = field(default_factory=list)  # built-ins calculator, python; or "module.path:tool"
+    max_turns: int = 4  # policy turns per trajectory
+    max_turn_tokens: Optional[int] = None  # one policy turn's cap; None: max_completion_length
     # --- rewards --------------------------------------------------------------------------------
     # "module.path:function" or a built-in name (stages/rl/rewards.py); one float per completion.
     reward_funcs: list[str] = field(default_factory=list)
@@ -77,6 +86,10 @@ class RLArguments:
     max_tokens_per_micro_batch: Optional[int] = None
     # Drop prompt groups whose completions all got the same reward (no signal); the kept share is logged.
     dynamic_filtering: bool = False
+    # DAPO's dynamic sampling (verl's filter_groups.max_num_gen_batches): with dynamic_filtering,
+    # generate up to this many prompt batches a step, refilling until rollout_batch_size groups
+    # with a signal are kept (1: only drop, the batch shrinks).
+    max_num_gen_batches: int = 1
     # --- rollout correction (stages/rl/rollout_correction.py; TRL's keys, for either backend) ---
     # Importance weights between the trainer's log-probs and the sampler's. None: decided by
     # default_correction (above), off for today's synchronous loop.
@@ -116,13 +129,23 @@ class RLArguments:
     # GPU share an engine may take; None: vLLM's 0.9 on bundles of its own, 0.4 when colocated with
     # the policy (vLLM checks at start that this much of the GPU is free, after the policy loaded).
     vllm_gpu_memory_utilization: Optional[float] = None
+    # --- remote reward API (reward_model_type: api; stages/rl/remote_reward.py) -------------------
+    # How the controller calls the reward server (or LLM judge) at reward_model's URL: seconds per
+    # attempt (the whole reply), retries after the first attempt (with exponential backoff, on
+    # connection errors, timeouts, HTTP 429/5xx), requests in flight at once, and completions per
+    # request to a reward server (a judge gets one request per completion).
+    reward_api_timeout: float = 30.0
+    reward_api_retries: int = 3
+    reward_api_concurrency: int = 8
+    reward_api_batch_size: int = 32
 
     def __post_init__(self) -> None:
         for name in ("rollout_batch_size", "num_generations", "max_completion_length", "num_iterations", "ppo_epochs",
-                     "ppo_buffer_size", "kl_horizon", "max_tokens_per_micro_batch"):
+                     "ppo_buffer_size", "kl_horizon", "max_tokens_per_micro_batch", "max_num_gen_batches"):
             if getattr(self, name) is not None and getattr(self, name) < 1:
                 raise ArgumentError(name, f"{name} must be at least 1, got {getattr(self, name)}.")
         self._check_loss_variants()
+        self._check_multi_turn()
         self._check_async_rollout()
         self._check_rollout_correction()
         if self.epsilon_high is None:
@@ -144,6 +167,19 @@ class RLArguments:
             raise ArgumentError("ppo_target", f"ppo_target (the target KL) must be positive, got {self.ppo_target}.")
         if self.vllm_kv_cache_gib <= 0:
             raise ArgumentError("vllm_kv_cache_gib", f"vllm_kv_cache_gib must be positive, got {self.vllm_kv_cache_gib}.")
+        self._check_reward_api()
+
+    def _check_reward_api(self) -> None:
+        """The remote reward API's client options (reward_model_type: api)."""
+        if not self.reward_api_timeout > 0:
+            raise ArgumentError("reward_api_timeout", f"reward_api_timeout (seconds per attempt at the reward API) "
+                                                      f"must be positive, got {self.reward_api_timeout}. E.g. 30.")
+        if self.reward_api_retries < 0:
+            raise ArgumentError("reward_api_retries", f"reward_api_retries (attempts after the first) must be >= 0, "
+                                                      f"got {self.reward_api_retries}. E.g. 3; 0 never retries.")
+        for name in ("reward_api_concurrency", "reward_api_batch_size"):
+            if getattr(self, name) < 1:
+                raise ArgumentError(name, f"{name} must be at least 1, got {getattr(self, name)}.")
 
     def _check_loss_variants(self) -> None:
         """CISPO's cap, the entropy bonus and the overlong buffer; before epsilon_high defaults to epsilon."""
@@ -176,6 +212,44 @@ class RLArguments:
                 f"overlong_penalty_factor is the largest penalty (at max_completion_length) subtracted from the "
                 f"reward, so it must be >= 0; got {self.overlong_penalty_factor}. DAPO uses 1.0.",
             )
+
+    def _check_multi_turn(self) -> None:
+        """An environment and its tools agree; turn caps are positive and fit the trajectory."""
+        if self.tools and self.environment is None:
+            self.environment = "tools"
+        if self.environment == "tools" and not self.tools:
+            raise ArgumentError(
+                "tools",
+                "environment tools runs the tools the policy calls, but tools lists none. Add e.g. tools: "
+                "[calculator] (built-ins: calculator, python) or tools: [my_module:my_tool].",
+            )
+        if self.environment not in (None, "tools") and self.tools:
+            raise ArgumentError(
+                "tools",
+                f"tools {self.tools} are run by the built-in environment tools, but environment is "
+                f"{self.environment!r}, which lists its own tools (its tools attribute). Remove tools, or set "
+                "environment: tools.",
+            )
+        if self.environment_kwargs and self.environment in (None, "tools"):
+            raise ArgumentError(
+                "environment_kwargs",
+                "environment_kwargs are the arguments of a custom environment (environment: module.path:Class); "
+                f"with environment {self.environment!r} nothing would read them. Remove them or name your class.",
+            )
+        for name in ("max_turns", "max_turn_tokens"):
+            if getattr(self, name) is not None and getattr(self, name) < 1:
+                raise ArgumentError(name, f"{name} must be at least 1, got {getattr(self, name)}.")
+        if self.max_turn_tokens is not None and self.max_turn_tokens > self.max_completion_length:
+            raise ArgumentError(
+                "max_turn_tokens",
+                f"max_turn_tokens {self.max_turn_tokens} caps one policy turn, but max_completion_length "
+                f"{self.max_completion_length} caps the whole trajectory (every turn and observation), so a turn "
+                "could never use it. Lower max_turn_tokens or raise max_completion_length.",
+            )
+
+    @property
+    def multi_turn(self) -> bool:
+        return self.environment is not None
 
     def _check_async_rollout(self) -> None:
         """max_staleness agrees with the mode; the engines must be separate from the policy."""
@@ -269,6 +343,13 @@ class RLArguments:
                 "dynamic_filtering drops prompt groups whose completions all got the same reward, and a group of "
                 f"num_generations {self.num_generations} always does, so every step would be skipped. Set "
                 "num_generations: 2 or more, or dynamic_filtering: false.",
+            )
+        if self.max_num_gen_batches > 1 and not (self.dynamic_filtering and stage.name == "grpo"):
+            raise ArgumentError(
+                "max_num_gen_batches",
+                f"max_num_gen_batches {self.max_num_gen_batches} refills the batches that dynamic_filtering "
+                f"shrinks (stage grpo), but {'dynamic_filtering is off' if self.dynamic_filtering else 'this is stage ' + stage.name}. "
+                "Set dynamic_filtering: true under stage grpo, or remove max_num_gen_batches.",
             )
         if self.importance_sampling_level == "sequence" and self.loss_type != "grpo":
             logger.warning("importance_sampling_level sequence with loss_type %s sums per-token terms, so each "

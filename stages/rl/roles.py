@@ -33,10 +33,13 @@ class Pending(Protocol, Generic[R]):
 @dataclass
 class Generation:
     """A batch's completions and, when the engines report it, the wall-clock span (``time.time``)
-    they spent generating it: what tells how much of it overlapped the policy's work."""
+    they spent generating it: what tells how much of it overlapped the policy's work. Multi-turn
+    episodes (stages/rl/episodes.py) hand their trajectories instead."""
 
     completions: list[Completion]
     busy: Optional[tuple[float, float]] = None
+    samples: Optional[list[RolloutSample]] = None  # multi-turn: the trajectories (completions is empty)
+    version: Optional[int] = None  # multi-turn: the weights' version when its first turn was sent
 
 
 class RLRoles(Protocol):
@@ -92,12 +95,22 @@ class PPORoles(RLRoles, Protocol):
 @dataclass
 class PromptRow:
     """One tokenized prompt: the template's ids up to the generation prompt, the reference
-    answer as text (the dataset's response; "" when there is none) and any extra columns."""
+    answer as text (the dataset's response; "" when there is none), the dataset's extra columns,
+    and the conversation as messages (what a multi-turn environment resets from)."""
 
     input_ids: list[int]
     prompt_text: str
     reference: str = ""
     columns: dict[str, Any] = field(default_factory=dict)
+    messages: list[dict[str, Any]] = field(default_factory=list)
+    system: str = ""
+    tools: str = ""  # JSON text of the row's function schemas, "" when none
+
+    def environment_row(self) -> dict[str, Any]:
+        """What ``Environment.reset`` gets: the extra columns, then the prompt turns, reference,
+        system and tools under their own names (which win over a column of the same name)."""
+        return {**self.columns, "prompt": self.messages, "reference": self.reference, "system": self.system,
+                "tools": self.tools}
 
 
 @dataclass

@@ -29,10 +29,13 @@ again from the restored weights (staleness 0, then back to k).
 from __future__ import annotations
 
 import logging
+import random
 from dataclasses import dataclass, replace
-from typing import Callable
+from typing import Callable, Optional
 
 from ..engines.types import Completion, SamplingSpec
+from .episodes import Episodes, episodes_for
+from .multi_turn import rollout_stats
 from .roles import Generation, Pending, PromptRow, RLRun
 from .steplog import PhaseTimer
 from .types import RolloutSample
@@ -54,9 +57,13 @@ def sampling_spec(run: RLRun) -> SamplingSpec:
     )
 
 
-def rollout(run: RLRun, batch: list[PromptRow], sampling: SamplingSpec, step: int, timer: PhaseTimer) -> list[RolloutSample]:
-    """This step's completions of the batch, grouped by prompt (the synchronous loop's rollout)."""
+def rollout(run: RLRun, batch: list[PromptRow], sampling: SamplingSpec, step: int, timer: PhaseTimer,
+            episodes: Optional[Episodes] = None) -> list[RolloutSample]:
+    """This step's completions of the batch, grouped by prompt (the synchronous loop's rollout);
+    with ``episodes``, multi-turn trajectories instead."""
     with timer("generate"):
+        if episodes is not None:
+            return episodes.play(batch, step_sampling(sampling, run, step))
         completions = run.roles.generate([p.input_ids for p in batch], step_sampling(sampling, run, step))
     return group_samples(batch, completions, sampling.n)
 
@@ -83,8 +90,11 @@ def group_samples(batch: list[PromptRow], completions: list[Completion], n: int)
 
 
 def greedy_samples(run: RLRun, max_tokens: int, stop_token_ids: tuple[int, ...]) -> list[RolloutSample]:
-    """One greedy completion of each eval prompt, in order."""
+    """One greedy completion (or multi-turn trajectory) of each eval prompt, in order."""
     greedy = SamplingSpec(n=1, temperature=0.0, max_tokens=max_tokens, stop_token_ids=stop_token_ids)
+    episodes = episodes_for(run)
+    if episodes is not None:
+        return episodes.play(run.eval_prompts, greedy)
     completions = run.roles.generate([p.input_ids for p in run.eval_prompts], greedy)
     return group_samples(run.eval_prompts, completions, 1)
 
@@ -110,6 +120,7 @@ class RolloutSource:
         rl = run.spec.rl
         self.run, self.sampling, self.batch_of, self.total_steps = run, sampling, batch_of, total_steps
         self.ahead = int(rl.max_staleness) if rl.asynchronous else 0
+        self.episodes = episodes_for(run)  # None: one completion per sample
         self.version = version
         self.in_flight: dict[int, InFlight] = {}
         self.pushes: list[Pending[dict]] = []
@@ -123,13 +134,16 @@ class RolloutSource:
         """Step ``step``'s samples and its rollout figures; when asynchronous, the batches of the
         next ``ahead`` steps are sent first, so the engines work on them while the policy trains."""
         if not self.asynchronous:
-            return rollout(self.run, batch, self.sampling, step, timer), {}
+            samples = rollout(self.run, batch, self.sampling, step, timer, self.episodes)
+            return samples, self._episode_figures(samples)
         for ahead in range(step, min(step + self.ahead, self.total_steps) + 1):
             if ahead not in self.in_flight:
                 self.in_flight[ahead] = self._send(ahead, batch if ahead == step else self.batch_of(ahead))
         entry = self.in_flight.pop(step)
         with timer("generate"):
             generation = entry.pending.result()
+        if generation.version is not None:
+            entry.version = generation.version
         figures: dict = {}
         if step - 1 - entry.version > self.ahead:
             logger.warning("step %d: its batch was sampled with weights %d versions old, more than max_staleness %d; "
@@ -138,30 +152,52 @@ class RolloutSource:
             entry = self._send(step, entry.batch)
             with timer("generate"):
                 generation = entry.pending.result()
+            if generation.version is not None:
+                entry.version = generation.version
         figures["async/staleness"] = step - 1 - entry.version
         figures.update(self._engine_time(generation))
-        return group_samples(entry.batch, generation.completions, self.sampling.n), figures
+        samples = (generation.samples if generation.samples is not None
+                   else group_samples(entry.batch, generation.completions, self.sampling.n))
+        return samples, {**figures, **self._episode_figures(samples)}
 
     def publish(self, step: int, timer: PhaseTimer) -> dict:
         """After step ``step``'s update: the engines get its weights (version ``step``). The
         synchronous loop waits until every engine has loaded them; an asynchronous one only sends
         the push, and reports the load time of the pushes that have finished."""
-        self.version = step
         if not self.asynchronous:
+            self.version = step
             with timer("sync"):
                 return self.run.roles.sync_weights()
         self._note_policy_busy(timer)
         with timer("sync"):
             self.pushes.append(self.run.roles.push_weights())
+        self.version = step  # after the push is sent: a rollout thread that reads it sends behind the push
         return self._finished_pushes(wait=False)
+
+    def refill(self, step: int, k: int, timer: PhaseTimer) -> tuple[list[PromptRow], list[RolloutSample]]:
+        """Dynamic sampling's ``k``-th extra batch of ``step`` (k >= 1): prompts drawn by a seeded
+        RNG of (seed, step, k), so a resumed run draws the same ones, sampled now with the current
+        weights. The run's own prompt order is untouched."""
+        prompts, size = self.run.prompts, self.run.spec.rl.rollout_batch_size
+        rng = random.Random(f"{self.run.spec.training.seed}:{step}:{k}")
+        picks = rng.sample(range(len(prompts)), size) if size <= len(prompts) else rng.choices(range(len(prompts)), k=size)
+        batch = [prompts[i] for i in picks]
+        return batch, rollout(self.run, batch, self.sampling, step, timer, self.episodes)
 
     def drain(self) -> dict:
         """Wait for every push sent (raising an engine's failure); the last one's figures."""
+        if self.episodes is not None:
+            self.episodes.close()
         return self._finished_pushes(wait=True)
 
     def _send(self, step: int, batch: list[PromptRow]) -> InFlight:
         sampling = step_sampling(self.sampling, self.run, step)
+        if self.episodes is not None:
+            return InFlight(batch, self.version, self.episodes.start(batch, sampling, lambda: self.version))
         return InFlight(batch, self.version, self.run.roles.generate_async([p.input_ids for p in batch], sampling))
+
+    def _episode_figures(self, samples: list[RolloutSample]) -> dict:
+        return rollout_stats(samples) if self.episodes is not None else {}
 
     def _finished_pushes(self, wait: bool) -> dict:
         figures: dict = {}

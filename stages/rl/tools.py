@@ -28,6 +28,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Mapping, Optional, Union
 
 from registries.errors import UserError
+from registries.synthetic.calculator import CALCULATOR
 from registries.templates.tools import FunctionCall
 from registries.unique import add_unique
 
@@ -179,9 +180,9 @@ def _eval(node: ast.AST) -> Union[int, float]:
     raise ValueError(f"only numbers and + - * / // % ** ( ) are allowed, not {ast.dump(node)[:60]}")
 
 
-@tool("Evaluate an arithmetic expression (numbers, + - * / // % ** and parentheses) and return its value.",
-      {"type": "object", "properties": {"expression": {"type": "string", "description": "e.g. 123 * (45 + 6)"}},
-       "required": ["expression"]}, name="calculator")
+# The schema lives with the demo data (registries/synthetic/calculator.py), whose sft warm start
+# must show the policy exactly the system prompt the RL loop renders.
+@tool(CALCULATOR["description"], CALCULATOR["parameters"], name=CALCULATOR["name"])
 def calculator(expression: str) -> str:
     value = evaluate(expression)
     return str(int(value)) if isinstance(value, float) and value.is_integer() and abs(value) < 1e15 else str(value)

@@ -34,3 +34,4 @@ class RolloutSample:
     loss_mask: list[int] = field(default_factory=list)
     turns: int = 1  # policy turns in the trajectory
     tool_calls: int = 0  # environment steps that returned an observation (tool results)
+    answer_start: int = 0  # where the last policy turn begins in completion_ids (what rewards score)

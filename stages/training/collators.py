@@ -24,6 +24,7 @@ from registries.tokenize import IGNORE_INDEX
 
 from stages.training.chunked_loss import language_model
 from stages.training.per_example_attention import PER_EXAMPLE_SDPA, attention_implementation, supports_per_example_sdpa
+from stages.training.vision_collators import is_vision_model, vision_collator
 
 
 def to_columns(features) -> dict[str, list[Any]]:
@@ -244,7 +245,11 @@ def padding_collator(tokenizer, data_args, model=None, pad_to_multiple_of: int |
 
 def supervised_collator(tokenizer, data_args, model=None, pad_to_multiple_of: int | None = None):
     """sft pads on the right; with ``neat_packing`` it isolates packed examples, with a mask in the
-    model's dtype (flash-attention kernels take restarting positions instead of a mask)."""
+    model's dtype (flash-attention kernels take restarting positions instead of a mask). A
+    vision-language model gets padded rows with its image tensors (vision_collators.py)."""
+    if model is not None and is_vision_model(model):
+        text = PaddingCollator.from_tokenizer(tokenizer, "right", pad_to_multiple_of=pad_to_multiple_of)
+        return vision_collator(text, data_args, model)
     if getattr(data_args, "neat_packing", False):
         attn = attention_implementation(model)
         dtype = getattr(model, "dtype", torch.float32)

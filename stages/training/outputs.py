@@ -13,7 +13,8 @@ logger = logging.getLogger(__name__)
 
 
 def save_outputs(trainer, tokenizer, template, train_result, finetuning_args) -> dict:
-    """Model/adapter, tokenizer with the training chat template, state, metrics, loss plot.
+    """Model/adapter, tokenizer with the training chat template (and a vision model's image
+    processor), state, metrics, loss plot.
 
     ``save_model`` runs on every rank: under DeepSpeed ZeRO-3 the full weights are gathered
     collectively; only the main process writes.
@@ -25,6 +26,8 @@ def save_outputs(trainer, tokenizer, template, train_result, finetuning_args) ->
     if trainer.is_world_process_zero():
         tokenizer.chat_template = to_jinja(template, tokenizer)  # serving formats prompts as training did
         tokenizer.save_pretrained(output_dir)
+        if getattr(template, "image_processor", None) is not None:  # a vision model reads images with it
+            template.image_processor.save_pretrained(output_dir)
         trainer.save_state()
         trainer.log_metrics("train", metrics)
         trainer.save_metrics("train", metrics)  # train_results.json + all_results.json

@@ -177,14 +177,65 @@ def test_nothing_to_score_with():
     )
 
 
-def test_reward_api_is_not_built():
-    assert error_of({**PPO, "reward_model_type": "api"}) == (
-        "reward_model_type api in the config dict: scoring through a remote reward API is not built "
-        "yet. Use a reward model trained by stage rm (reward_model_type lora or full), or reward_funcs with a "
-        "function of your own that calls the API: a module with score = "
-        "stages.rl.remote_reward.RemoteReward(url) (or JudgeReward(url)) does it, with timeouts and retries "
-        "(docs/rl.md, 'Tools, sandbox and remote rewards')."
+API = {**BASE, "stage": "ppo", "reward_model_type": "api"}
+API_FIX = (
+    "Set reward_model to e.g. http://rm-host:8000/v1/score (`rayfactory serve` of a stage rm output), a server "
+    "speaking OpenRLHF's remote reward JSON (http://host:5000/get_reward), or an LLM judge's "
+    "http://host:8000/v1/chat/completions; or, for a reward model folder, set reward_model_type lora or full."
+)
+
+
+@pytest.mark.parametrize("url", ["http://127.0.0.1:8000/v1/score", "https://rm.example.com/get_reward",
+                                 "http://judge:8000/v1/chat/completions"])
+def test_reward_api_takes_a_url(url):
+    run = load_config({**API, "reward_model": url})
+    assert run.finetuning.reward_model == url  # not made a path, not checked as a folder
+    assert run.finetuning.reward_model_folder is None
+    assert run.rl.critic_init is None and run.rl.reward_api_timeout == 30.0 and run.rl.reward_api_retries == 3
+
+
+@pytest.mark.parametrize("url, problem", [
+    ("saves/rm", "reward_model 'saves/rm' is not an http:// or https:// URL with a host"),
+    ("ftp://host/score", "reward_model 'ftp://host/score' is not an http:// or https:// URL with a host"),
+    ("http:///v1/score", "reward_model 'http:///v1/score' is not an http:// or https:// URL with a host"),
+    ("http://host:port/v1/score", "reward_model 'http://host:port/v1/score' is not a valid URL (Port could not be "
+                                  "cast to integer value as 'port')"),
+])
+def test_reward_api_refuses_what_is_not_a_url(url, problem):
+    fake_reward_model("saves/rm")  # even an rm output: api means a URL
+    assert error_of({**API, "reward_model": url}) == (
+        "reward_model_type api in the config dict scores completions through a remote API, so reward_model (in "
+        f"the config dict) must be its URL, but {problem}. {API_FIX}"
     )
+
+
+def test_reward_api_without_a_url():
+    assert error_of(write("model_name_or_path: m\noutput_dir: o\nstage: ppo\nreward_funcs: [exact_match]\n"
+                          "reward_model_type: api\n")) == (
+        "reward_model_type api in cfg.yaml scores completions through a remote API, so reward_model (in "
+        f"cfg.yaml) must be its URL, but reward_model is not set. {API_FIX}"
+    )
+
+
+def test_reward_api_has_no_weights_to_start_a_critic_from():
+    assert error_of({**API, "reward_model": "http://rm:8000/v1/score", "critic_init": "reward"}) == (
+        "critic_init reward in the config dict starts the critic from the reward model, but reward_model is a URL "
+        "(reward_model_type api), with no weights to start from. Use critic_init: policy, or set reward_model to "
+        "a stage rm output."
+    )
+
+
+@pytest.mark.parametrize("key, value, message", [
+    ("reward_api_timeout", 0, "reward_api_timeout (seconds per attempt at the reward API) must be positive, got 0. "
+                              "E.g. 30."),
+    ("reward_api_retries", -1, "reward_api_retries (attempts after the first) must be >= 0, got -1. E.g. 3; 0 never "
+                               "retries."),
+    ("reward_api_concurrency", 0, "reward_api_concurrency must be at least 1, got 0."),
+    ("reward_api_batch_size", 0, "reward_api_batch_size must be at least 1, got 0."),
+])
+def test_reward_api_client_options(key, value, message):
+    assert error_of({**API, "reward_model": "http://rm:8000/v1/score", key: value}) == (
+        f"invalid {key} in the config dict: {message}")
 
 
 def test_reward_model_folder_without_a_value_head():
@@ -227,7 +278,7 @@ def test_reward_model_adapters_are_refused():
 def test_critic_from_a_reward_model_that_is_not_there():
     assert error_of({**PPO, "critic_init": "reward"}) == (
         "critic_init reward in the config dict starts the critic from the reward model, but no "
-        "reward_model is set. Use critic_init: policy, or set reward_model."
+        "reward_model is set. Use critic_init: policy, or set reward_model to a stage rm output."
     )
     assert load_config({**PPO, "critic_init": "policy"}).rl.critic_init == "policy"
 
@@ -340,6 +391,14 @@ def test_hf_rollouts_have_no_engine_role():
 
 def test_reward_functions_alone_place_no_reward_model():
     assert [r.name for r in roles_of(dict(PPO))] == ["policy", "rollout", "critic"]
+
+
+def test_a_reward_api_places_no_reward_model():
+    # reward_resources and colocate_critic_reward would place one; a URL is called from the controller.
+    roles = roles_of({**API, "reward_model": "http://rm:8000/v1/score", "reward_resources": {"CPU": 3},
+                      "colocate_critic_reward": True})
+    assert roles == [RoleSpec("policy", 1, {"CPU": 1}), RoleSpec("rollout", 1, {"CPU": 1}),
+                     RoleSpec("critic", 1, {"CPU": 1})]
 
 
 def test_a_group_estimator_places_no_critic():

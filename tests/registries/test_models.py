@@ -40,15 +40,16 @@ def tiny_dirs(tmp_path_factory) -> dict:
 
 
 def test_expected_families_are_registered():
-    assert FAMILIES == ["gemma", "gemma2", "gemma3", "llama", "mistral", "phi3", "qwen2", "qwen3"]
+    assert FAMILIES == ["gemma", "gemma2", "gemma3", "llama", "mistral", "phi3", "qwen2", "qwen2_vl", "qwen3"]
+    assert [name for name in FAMILIES if get_model_family(name).vision] == ["qwen2_vl"]
 
 
 def test_default_templates_follow_llamafactory_names():
     got = {mt: default_template_for(mt) for mt in
-           ["llama", "qwen2", "qwen3", "mistral", "gemma", "gemma2", "gemma3", "gemma3_text", "phi3"]}
+           ["llama", "qwen2", "qwen3", "mistral", "gemma", "gemma2", "gemma3", "gemma3_text", "phi3", "qwen2_vl"]}
     assert got == {
         "llama": "llama3", "qwen2": "qwen", "qwen3": "qwen3", "mistral": "mistral", "gemma": "gemma",
-        "gemma2": "gemma2", "gemma3": "gemma3", "gemma3_text": "gemma3", "phi3": "phi",
+        "gemma2": "gemma2", "gemma3": "gemma3", "gemma3_text": "gemma3", "phi3": "phi", "qwen2_vl": "qwen2_vl",
     }
 
 
@@ -65,7 +66,7 @@ def test_unknown_model_type_error_says_what_to_do():
     message = str(err.value)
     assert "No model family knows model_type 'gpt2'." in message
     assert "Set `template:` in your YAML" in message
-    expected = r"model_type 'qwen'\. Did you mean 'qwen3', 'qwen2'\? Known model types: gemma, "
+    expected = r"model_type 'qwen'\. Did you mean 'qwen3', 'qwen2', 'qwen2_vl'\? Known model types: gemma, "
     with pytest.raises(ValueError, match=expected):
         family_for_config("qwen")
 
@@ -131,11 +132,13 @@ def test_default_template_is_registered(name):
 @pytest.mark.parametrize("name", FAMILIES)
 def test_tiny_model_loads_runs_and_has_the_lora_targets(tiny_dirs, name):
     family = get_model_family(name)
-    model = AutoModelForCausalLM.from_pretrained(tiny_dirs[name])
+    model = getattr(transformers, family.auto_class).from_pretrained(tiny_dirs[name])
     tokenizer = load_tokenizer(tiny_dirs[name])
     assert type(model.config).__name__ == family.config_class
-    assert model.config.vocab_size == len(tokenizer)
-    linear_names = {n.rsplit(".", 1)[-1] for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)}
+    assert model.config.get_text_config().vocab_size == len(tokenizer)
+    # The vision tower's linears (qkv, proj, fc1, fc2, the merger's) are not LoRA targets.
+    linear_names = {n.rsplit(".", 1)[-1] for n, m in model.named_modules()
+                    if isinstance(m, torch.nn.Linear) and ".visual." not in f".{n}"}
     assert linear_names == set(family.lora_targets) | {"lm_head"}
 
     ids = tokenizer("What is 12 + 7?", return_tensors="pt").input_ids

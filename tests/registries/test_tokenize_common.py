@@ -81,9 +81,9 @@ def assistant(text: str) -> dict:
 
 
 def batch_of(*rows: dict) -> dict[str, list]:
-    """Aligned rows (dicts with _prompt/_response and optional _system/_tools/_kto_tag) -> columns."""
-    columns = ("_prompt", "_response", "_system", "_tools", "_kto_tag")
-    defaults = {"_system": "", "_tools": "", "_kto_tag": None}
+    """Aligned rows (dicts with _prompt/_response and optional _system/_tools/_kto_tag/_extra) -> columns."""
+    columns = ("_prompt", "_response", "_system", "_tools", "_kto_tag", "_extra")
+    defaults = {"_system": "", "_tools": "", "_kto_tag": None, "_extra": "{}"}
     return {c: [row.get(c, defaults.get(c)) for row in rows] for c in columns}
 
 

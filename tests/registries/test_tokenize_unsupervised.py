@@ -47,3 +47,16 @@ def test_efficient_eos_reference_ends_with_eos():
 
     out = run({"_prompt": [user("hi")], "_response": [assistant("yo")]}, setup=setup)
     assert out["input_ids"] == [chatml_user("hi")] and out["labels"] == [b("yo") + [IM_END]]
+
+
+def test_the_row_travels_as_text_for_environments_and_reward_functions():
+    import json
+
+    out = run(
+        {"_prompt": [user("a"), assistant("b"), user("c")], "_response": [assistant("d")], "_system": "S",
+         "_tools": '[{"name": "add"}]', "_extra": '{"level": 3}'},
+        {"_prompt": [user("hi")], "_response": []},
+    )
+    assert [json.loads(m) for m in out["messages"]] == [[user("a"), assistant("b"), user("c")], [user("hi")]]
+    assert out["system"] == ["S", ""] and out["tools"] == ['[{"name": "add"}]', ""]
+    assert [json.loads(c) for c in out["columns"]] == [{"level": 3}, {}]

@@ -195,3 +195,83 @@ def test_adapter_only_sync_is_refused_where_vllm_cannot_serve_the_adapter(overri
     with pytest.raises(ConfigError, match=words) as caught:
         load_config({**GRPO, "rollout_lora_sync": "adapter", **overrides})
     assert "rollout_lora_sync: merged" in str(caught.value)
+
+
+class TwoTurns:
+    """A custom environment (module:Class in a config): one observation, then done."""
+
+    def __init__(self, word: str = "again"):
+        self.word, self.steps = word, 0
+
+    def reset(self, row):
+        return row["prompt"]
+
+    def step(self, action):
+        self.steps += 1
+        return (self.word, 0.0, False) if self.steps == 1 else (None, 1.0, True)
+
+
+def test_multi_turn_episodes_run_ahead_on_the_rollout_thread_and_keep_each_turns_version():
+    """one_step with an environment: a batch's episodes are played while the policy trains; the
+    batch is stamped with the version its first turn used, and each token keeps the one it was
+    sampled with (a second turn may come after the next push)."""
+    from types import SimpleNamespace as NS
+
+    from registries.datasets import DataArguments
+    from stages.loading import load_tokenizer_and_template
+
+    tokenizer, template = load_tokenizer_and_template(NS(model_name_or_path="tiny:qwen2"), DataArguments(template="qwen"))
+    stop = template.stop_token_ids(tokenizer)[0]
+    rl = RLArguments(reward_funcs=["exact_match"], async_rollout="one_step", num_generations=N, max_completion_length=64,
+                     environment="tests.stages.test_async_rollouts:TwoTurns", max_turns=3)
+    roles = InProcessEngine()
+    inner = roles.generate_async
+    roles.generate_async = lambda prompts, sampling: _short_replies(inner(prompts, sampling), stop)
+    run = SimpleNamespace(spec=SimpleNamespace(rl=rl, training=SimpleNamespace(seed=0)), roles=roles,
+                          template=template, tokenizer=tokenizer)
+    batches = {s: [PromptRow([1], f"p{s}", messages=[{"role": "user", "content": f"question {s}"}])] for s in range(1, 5)}
+    source = RolloutSource(run, SamplingSpec(n=N, max_tokens=64, stop_token_ids=(stop,)), lambda s: batches[s], 4, 0)
+    stamps = []
+    for step in range(1, 5):
+        timer = PhaseTimer()
+        samples, figures = source.take(step, batches[step], timer)
+        assert len(samples) == N and all(s.turns == 2 and s.tool_calls == 1 for s in samples)
+        assert figures["rollout/turns"] == 2.0 and 0 < figures["rollout/observation_token_fraction"] < 1
+        first, second = samples[0].completion_ids[0], samples[0].completion_ids[samples[0].answer_start]
+        stamps.append((figures["async/staleness"], first, second))
+        assert samples[0].loss_mask[0] == 1 and samples[0].loss_mask[2] == 0  # reply, then the observation
+        roles.trained = step
+        source.publish(step, timer)
+    source.drain()
+    # Stamped with the version read as its first turn went out (a push sent in between can only
+    # make it fresher): never staler than one_step allows, never fresher than the stamp says.
+    assert all(staleness in (0, 1) for staleness, _, _ in stamps) and stamps[0][0] == 0, stamps
+    assert all(first >= step - 1 - staleness for step, (staleness, first, _) in enumerate(stamps, 1)), stamps
+    assert all(second >= first for _, first, second in stamps)
+
+
+def _short_replies(pending, stop):
+    """The engine's completion as [version, stop]: a short turn that ends at the stop token."""
+    generation = pending.result()
+    for c in generation.completions:
+        c.token_ids = [c.token_ids[0], stop]
+    return SimpleNamespace(done=lambda: True, result=lambda: generation)
+
+
+def test_dynamic_sampling_refills_draw_seeded_prompts_and_sample_them_now():
+    """RolloutSource.refill: the k-th extra batch of a step is the same prompts in every run with
+    that seed (a resumed run draws them again), other prompts for another k, sampled right away."""
+    rl = RLArguments(reward_funcs=["exact_match"], num_generations=N, rollout_batch_size=3)
+    prompts = [PromptRow([100 + i], f"p{i}") for i in range(10)]
+
+    def source(seed):
+        run = SimpleNamespace(spec=SimpleNamespace(rl=rl, training=SimpleNamespace(seed=seed)), roles=InProcessEngine(),
+                              prompts=prompts)
+        return RolloutSource(run, SamplingSpec(n=N, max_tokens=4), lambda s: prompts[:3], 5, 0)
+
+    batch, samples = source(1).refill(2, 1, PhaseTimer())
+    again, _ = source(1).refill(2, 1, PhaseTimer())
+    other, _ = source(1).refill(2, 2, PhaseTimer())
+    assert [p.prompt_text for p in batch] == [p.prompt_text for p in again] != [p.prompt_text for p in other]
+    assert len(set(p.prompt_text for p in batch)) == 3
+    assert [s.prompt_ids for s in samples] == [p.input_ids for p in batch for _ in range(N)]

@@ -222,3 +222,31 @@ def test_advantages_skip_observation_tokens_as_if_they_were_not_there():
     pp = reinforce_pp_advantages("reinforce_plus_plus", rewards, gapped, 2, gamma=0.9)
     pp_d = reinforce_pp_advantages("reinforce_plus_plus", cut(rewards), dense_mask, 2, gamma=0.9)
     assert torch.allclose(cut(pp), pp_d) and torch.all(pp[0, 2:4] == 0)
+
+
+def test_a_reply_cut_by_the_turn_cap_goes_to_the_environment_and_its_turn_is_closed_for_it(tiny):
+    """max_tokens caps one turn: a reply that hit it is still the policy's turn; when the episode
+    goes on, the stop token it did not sample (then the template's newline) precedes the
+    observation, masked out with it. The trajectory's budget still ends everything."""
+    _, tokenizer, template = tiny
+    stop = template.stop_token_ids(tokenizer)
+    replies = [[51, 52, 53], [54, 55, stop[0]]]  # cut by the turn cap, then one that stops
+    calls = []
+
+    def generate(prompts, sampling):
+        calls.append(prompts)
+        ids = replies[len(calls) - 1]
+        reason = "length" if ids[-1] not in stop else "stop"
+        return [Completion(list(ids), reason, [-0.5] * len(ids), prompt_index=i) for i in range(len(prompts))]
+
+    env = Scripted(1)
+    (sample,) = multi_turn_rollout([ROWS[0]], lambda: env, template, tokenizer, generate,
+                                   SamplingSpec(n=1, max_tokens=3, stop_token_ids=tuple(stop)),
+                                   max_turns=4, max_total_tokens=200)
+    closing = [stop[0]] + assistant_tail_ids(template, tokenizer)
+    observation = observation_ids(template, tokenizer, "observation 0")
+    assert sample.completion_ids == [51, 52, 53] + closing + observation + [54, 55, stop[0]]
+    assert sample.loss_mask == [1, 1, 1] + [0] * (len(closing) + len(observation)) + [1, 1, 1]
+    assert env.seen == [tokenizer.decode([51, 52, 53], skip_special_tokens=True),
+                        tokenizer.decode([54, 55], skip_special_tokens=True)]
+    assert sample.turns == 2 and not sample.truncated and sample.answer_start == len(sample.completion_ids) - 3

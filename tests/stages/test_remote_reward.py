@@ -235,3 +235,15 @@ def test_remote_rewards_are_reward_functions(server, tmp_path, monkeypatch):
 def test_post_json_get(server):
     server.routes["/v1/models"] = lambda s, body, h: (200, {"data": []})
     assert post_json(server.url + "/v1/models", None, QUICK, method="GET") == {"data": []}
+
+
+@pytest.mark.parametrize("path, kind, protocol", [
+    ("/v1/score", RemoteReward, "score"), ("/get_reward", RemoteReward, "json"),
+    ("/v1/chat/completions", JudgeReward, None), ("/v1/chat/completions/", JudgeReward, None),
+])
+def test_api_reward_picks_the_scorer_by_the_url(path, kind, protocol):
+    from stages.rl.remote_reward import api_reward
+
+    scorer = api_reward("http://host:8000" + path, QUICK)
+    assert type(scorer) is kind and scorer.options is QUICK
+    assert getattr(scorer, "protocol", None) == protocol

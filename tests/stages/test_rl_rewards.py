@@ -182,3 +182,12 @@ def test_reward_set_pickles_for_workers(user_module):
     rewards = load_reward_funcs(["exact_match", f"{user_module}:contains_answer"])
     again = pickle.loads(pickle.dumps(rewards))
     assert again.score(PROMPTS, COMPLETIONS, COLUMNS).total == rewards.score(PROMPTS, COMPLETIONS, COLUMNS).total
+
+
+def test_tool_use_reads_the_episodes_tool_calls_and_names_what_a_single_turn_run_lacks():
+    from stages.rl.rewards import RewardFunctionError
+
+    scores = load_reward_funcs(["tool_use"]).score(PROMPTS, COMPLETIONS, {**COLUMNS, "tool_calls": [0, 1, 3, 0]})
+    assert scores.total == [0.0, 1.0, 1.0, 0.0]
+    with pytest.raises(RewardFunctionError, match=r"'tool_use' needs \['tool_calls'\]"):
+        load_reward_funcs(["tool_use"]).score(PROMPTS, COMPLETIONS, COLUMNS)

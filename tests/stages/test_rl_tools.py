@@ -198,3 +198,19 @@ def test_environment_errors_name_the_spec(user_module):
         check_step("e", 3)
     with pytest.raises(EnvironmentSpecError, match="observation of type dict"):
         check_step("e", ({"a": 1}, 0.0, False))
+
+
+def test_the_calculator_demo_data_shows_the_tool_as_the_rl_loop_renders_it():
+    """calc_tool_sft's tools column is tools_json([calculator]) to the byte, so the sft warm start
+    and the RL run put the same system prompt before the question; its observations are what the
+    tool returns for the demonstrated call."""
+    import json as _json
+
+    from registries.synthetic.calculator import TOOLS_TEXT, demonstrations, problems
+    from stages.rl.tools import calculator, tools_json
+
+    assert TOOLS_TEXT == tools_json([calculator])
+    for row in demonstrations(problems("t", 20)):
+        _, call, observation, answer = row["conversations"]
+        arguments = _json.loads(call["value"])["arguments"]
+        assert calculator(arguments) == observation["value"] == answer["value"]

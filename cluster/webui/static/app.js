@@ -58,6 +58,7 @@ function fieldInput(f) {
   } else {
     input = document.createElement("input");
     if (f.kind === "check") input.type = "checkbox";
+    if (f.kind === "list") input.placeholder = "comma-separated";
   }
   input.id = `f-${f.key}`;
   input.name = f.key;
@@ -91,7 +92,8 @@ function setValues(values) {
       const text = value === undefined || value === null ? "" : String(value);
       if (text && ![...input.options].some((o) => o.value === text)) input.add(new Option(text, text));
       input.value = text;
-    } else input.value = value === undefined || value === null ? "" : String(value);
+    } else if (Array.isArray(value)) input.value = value.join(", ");  // a list field: its entries
+    else input.value = value === undefined || value === null ? "" : String(value);
   }
   updateVisibility();
 }
@@ -102,6 +104,9 @@ function updateVisibility() {
     if (!f.when || !f.when.length) continue;
     const [controller, ...allowed] = f.when;
     $(`field-${f.key}`).hidden = !allowed.includes(values[controller]);
+  }
+  for (const fieldset of $("train-form").querySelectorAll("fieldset")) {  // rl: only for an RL stage
+    fieldset.hidden = ![...fieldset.querySelectorAll("label")].some((label) => !label.hidden);
   }
 }
 
@@ -206,7 +211,7 @@ async function pollRun() {
   $("progress").textContent = s.total ? `step ${s.step}/${s.total}${eta}` : "";
   $("console").textContent = s.console;
   $("console").scrollTop = $("console").scrollHeight;
-  drawChart(s.records);
+  drawCharts(s.charts, s.total);
   $("run-stop").disabled = s.ended;
   $("run-resume").disabled = !s.ended || s.status === "SUCCEEDED";
   if (s.ended) clearInterval(POLL);
@@ -216,42 +221,42 @@ async function stopRun() {
   try { await api(`/api/runs/${RUN}/stop`, {}); } catch (e) { showError("run-error", e.message); }
 }
 
-// Loss-like values on one chart, accuracies and rewards (their own scale) on the other.
-const LOSS_SERIES = [["loss", "#1f5bd8"], ["eval_loss", "#e2561d"]];
-const METRIC_SERIES = [
-  ["rewards/accuracies", "#1a9850"], ["eval_rewards/accuracies", "#91cf60"], ["reward", "#7b3294"], ["eval_reward", "#c2a5cf"],
-];
+// The server picks the series (GET /api/runs/<id> "charts": loss; accuracies and rewards; turns and
+// tool calls per trajectory); each chart is the <svg id="<id>-chart"> of the page.
+const COLORS = ["#1f5bd8", "#e2561d", "#1a9850", "#7b3294", "#c2a5cf", "#91cf60"];
 
-function drawChart(records) {
-  drawSeries($("loss-chart"), records, LOSS_SERIES, "the loss appears here once the run logs");
-  const metrics = $("metric-chart");
-  metrics.hidden = !records.some((r) => METRIC_SERIES.some(([key]) => typeof r[key] === "number"));
-  if (!metrics.hidden) drawSeries(metrics, records, METRIC_SERIES, "");
+function drawCharts(charts, total) {
+  for (const chart of charts) {
+    const svg = $(`${chart.id}-chart`);
+    if (!svg) continue;
+    const hide = chart.id !== "loss" && !chart.series.length;
+    svg.toggleAttribute("hidden", hide);  // an <svg> has no .hidden property, only the attribute
+    if (!hide) drawSeries(svg, chart, total, "the loss appears here once the run logs");
+  }
 }
 
-function drawSeries(svg, records, wanted, empty) {
+function drawSeries(svg, chart, total, empty) {
   const W = svg.width.baseVal.value, H = svg.height.baseVal.value, pad = 36;
-  const series = wanted.map(([key, color]) => ({
-    key, color, points: records.filter((r) => typeof r[key] === "number").map((r) => [r.current_steps, r[key]]),
-  })).filter((s) => s.points.length);
+  const series = chart.series.map((s, i) => ({ ...s, color: COLORS[i % COLORS.length] }));
   const all = series.flatMap((s) => s.points);
   svg.dataset.points = series.length ? String(series[0].points.length) : "0";
+  svg.dataset.series = series.map((s) => s.key).join(",");
   if (!all.length) { svg.innerHTML = `<text x="${pad}" y="${H / 2}" fill="#8790a3">${empty}</text>`; return; }
   const xs = all.map((p) => p[0]), ys = all.map((p) => p[1]);
-  const last = records.filter((r) => r.total_steps).pop();
-  const x1 = Math.max(last ? last.total_steps : 0, ...xs, 1);
+  const x1 = Math.max(total || 0, ...xs, 1);
   const y0 = Math.min(...ys, 0), y1 = Math.max(...ys) * 1.05 || 1;
   const X = (x) => pad + x / x1 * (W - pad - 10);
   const Y = (y) => H - pad + 10 - (y - y0) / (y1 - y0) * (H - pad - 10);
   let out = `<line x1="${pad}" y1="${Y(y0)}" x2="${W - 10}" y2="${Y(y0)}" stroke="#aab"/>`;
   out += `<line x1="${pad}" y1="${Y(y0)}" x2="${pad}" y2="10" stroke="#aab"/>`;
   out += `<text x="4" y="16" font-size="10" fill="#667">${y1.toFixed(2)}</text><text x="4" y="${Y(y0)}" font-size="10" fill="#667">${y0.toFixed(2)}</text>`;
+  out += `<text x="${W - 150}" y="16" font-size="10" fill="#667" text-anchor="end">${escapeHtml(chart.title)}</text>`;
   out += `<text x="${W - 60}" y="${H - 6}" font-size="10" fill="#667">step ${x1}</text>`;
   series.forEach((s, i) => {
     const points = s.points.map((p) => `${X(p[0])},${Y(p[1])}`).join(" ");
-    out += `<polyline class="series" data-key="${s.key}" data-points="${s.points.length}" fill="none" stroke="${s.color}" stroke-width="2" points="${points}"/>`;
+    out += `<polyline class="series" data-key="${escapeHtml(s.key)}" data-points="${s.points.length}" fill="none" stroke="${s.color}" stroke-width="2" points="${points}"/>`;
     if (s.points.length === 1) out += `<circle cx="${X(s.points[0][0])}" cy="${Y(s.points[0][1])}" r="3" fill="${s.color}"/>`;
-    out += `<text x="${pad + 8 + i * 150}" y="${H - 6}" font-size="11" fill="${s.color}">${s.key}</text>`;
+    out += `<text x="${pad + 8 + i * 130}" y="${H - 6}" font-size="11" fill="${s.color}">${escapeHtml(s.key)}</text>`;
   });
   svg.innerHTML = out;
 }

@@ -1,0 +1,84 @@
+"""Image rows for the supervised kinds: each ``<image>`` expanded into the family's vision tokens
+(the template's vision plugin, registries/multimodal) and the images decoded, resized and turned
+into the processor's tensors, inside the same batch function that tokenizes the text, so Ray Data
+spreads the decoding over the cluster.
+
+What a tokenized image row carries besides its ids (two columns, present exactly when the
+aligned batch has an ``_images`` column; a text row in such a batch has empty cells):
+
+    pixel_values    list[float]       the processor's patches of every image of the row, flattened
+                                      (Qwen2-VL: sum(t*h*w) patches of 3*2*14*14 values, float32)
+    image_grid_thw  list[[t, h, w]]   one per image, in order
+
+The collator (stages/training/vision_collators.py) concatenates them across the batch, as
+Qwen2-VL's forward takes them. Patches travel flattened rather than as decoded pictures: they are
+what the model reads, and the processor's resize and normalisation then run once per row here,
+not once per epoch in every training worker.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from registries.errors import UserError
+
+from .common import Batch
+
+IMAGES = "_images"
+PIXEL_VALUES, IMAGE_GRID_THW = "pixel_values", "image_grid_thw"
+IMAGE_CUT = (
+    "its image tokens do not fit in cutoff_len (an image cannot be cut: raise cutoff_len, or lower "
+    "image_max_pixels so each image has fewer tokens)"
+)
+
+
+def has_image_column(batch: Batch) -> bool:
+    return batch.get(IMAGES) is not None
+
+
+def row_image_paths(batch: Batch, row: int) -> list[str]:
+    cells = batch.get(IMAGES)
+    cell = None if cells is None else cells[row]
+    return [] if cell is None else [str(path) for path in cell]
+
+
+def expand_images(template, messages: list[dict], paths: list[str], data_args) -> tuple[list[dict], dict[str, Any]]:
+    """``messages`` with each ``<image>`` expanded into the template's vision tokens, and the
+    processor's tensors for ``paths`` (decoded, resized by image_max_pixels / image_min_pixels)."""
+    from registries.multimodal import load_image, vision_plugin_of
+    from registries.multimodal.images import DEFAULT_MAX_PIXELS, DEFAULT_MIN_PIXELS
+
+    plugin = vision_plugin_of(template)  # a text-only template: a UserError that names a vision one
+    processor = getattr(template, "image_processor", None)
+    if processor is None:
+        raise UserError(
+            f"The rows have images, but template {template.name!r} has no image processor: the model folder "
+            "has no preprocessor_config.json. Use a vision-language model of that family (e.g. tiny:qwen2_vl "
+            "for the qwen2_vl template)."
+        )
+    max_pixels = getattr(data_args, "image_max_pixels", None) or DEFAULT_MAX_PIXELS
+    min_pixels = getattr(data_args, "image_min_pixels", None) or DEFAULT_MIN_PIXELS
+    mm = plugin.inputs([load_image(path) for path in paths], processor, max_pixels, min_pixels)
+    return plugin.expand(messages, mm, processor), mm
+
+
+def image_token_id(tokenizer, template) -> int:
+    from registries.multimodal import vision_plugin_of
+
+    return tokenizer.convert_tokens_to_ids(vision_plugin_of(template).image_token)
+
+
+def image_token_total(template, expanded: list[dict]) -> int:
+    """How many image tokens the expanded messages hold: the ids must keep every one of them."""
+    from registries.multimodal import vision_plugin_of
+
+    token = vision_plugin_of(template).image_token
+    return sum(message["content"].count(token) for message in expanded)
+
+
+def image_cells(mm: dict[str, Any] | None) -> tuple[list[float], list[list[int]]]:
+    """The row's two columns (see the module doc); empty for a row without images."""
+    if not mm:
+        return [], []
+    grid = mm.get(IMAGE_GRID_THW)
+    return mm[PIXEL_VALUES].reshape(-1).tolist(), [] if grid is None else grid.tolist()
