@@ -1,7 +1,7 @@
 """Tool use learnt by RL: held-out accuracy and tool-call rate before and after multi-turn GRPO with
 the calculator, over seeds.
 
-    .venv/bin/python benchmarks/tool_demo.py                        # tiny model, 2 seeds
+    .venv/bin/python benchmarks/tool_demo.py --sft-epochs 4.8        # tiny model, 2 seeds (the README figures)
     .venv/bin/python benchmarks/tool_demo.py --seeds 1 --rl-steps 20 --set learning_rate=5e-5
 
 Per seed: configs/sft_calculator.yaml (the warm start on our tool-use demonstrations,

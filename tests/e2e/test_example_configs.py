@@ -104,6 +104,7 @@ TRAINED_ELSEWHERE = {
     "kto_full.yaml": "test_kto.py",
     "grpo_full.yaml": "test_grpo.py",
     "grpo_lora.yaml": "test_grpo.py",
+    "grpo_python_tool.yaml": "test_grpo_multi_turn.py",
     "ppo_lora.yaml": "test_ppo.py",
     # its reward comes from a server over HTTP, which that test starts
     "ppo_remote_reward.yaml": "test_ppo_remote_reward.py",

@@ -25,7 +25,7 @@ def test_grpo_with_the_calculator_raises_the_share_of_episodes_that_use_it(ray_s
     run_exp(sft)
     config = _load("configs/grpo_calculator.yaml", monkeypatch, [
         f"model_name_or_path={sft_out}", f"output_dir={rl_out}", f"ray_storage_path={tmp_path / 'ray'}",
-        f"max_steps={RL_STEPS}", "logging_steps=1", "learning_rate=1e-3", "reward_funcs=[tool_use]",
+        f"max_steps={RL_STEPS}", "logging_steps=1", "reward_funcs=[tool_use]",
         "reward_weights=null", "eval_dataset=null", "plot_loss=false"])
     assert config.rl.tools == ["calculator"] and config.rl.environment == "tools"
     result = run_exp(config)
