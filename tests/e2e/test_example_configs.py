@@ -106,6 +106,7 @@ TRAINED_ELSEWHERE = {
     "grpo_lora.yaml": "test_grpo.py",
     "grpo_python_tool.yaml": "test_grpo_multi_turn.py",
     "ppo_lora.yaml": "test_ppo.py",
+    "grpo_calculator.yaml": "test_tool_rl.py",  # starts from sft_calculator.yaml's output
     # its reward comes from a server over HTTP, which that test starts
     "ppo_remote_reward.yaml": "test_ppo_remote_reward.py",
     "smollm2_lora_sft.yaml": "test_demo_model.py",

@@ -7,6 +7,7 @@ this model cannot reach: it does not learn to copy digits) are benchmarks/tool_d
 
 from __future__ import annotations
 
+import os
 import statistics
 
 from cluster.driver import run_exp
@@ -19,11 +20,11 @@ RL_STEPS = 30
 
 def test_grpo_with_the_calculator_raises_the_share_of_episodes_that_use_it(ray_session, tmp_path, monkeypatch):
     sft_out, rl_out = tmp_path / "sft", tmp_path / "grpo"
-    sft = _load("configs/sft_calculator.yaml", monkeypatch, [
+    sft = _load(os.path.join("configs", "sft_calculator.yaml"), monkeypatch, [
         f"output_dir={sft_out}", f"ray_storage_path={tmp_path / 'ray'}", f"max_steps={WARM_START_STEPS}",
         "save_steps=1000", "plot_loss=false"])
     run_exp(sft)
-    config = _load("configs/grpo_calculator.yaml", monkeypatch, [
+    config = _load(os.path.join("configs", "grpo_calculator.yaml"), monkeypatch, [
         f"model_name_or_path={sft_out}", f"output_dir={rl_out}", f"ray_storage_path={tmp_path / 'ray'}",
         f"max_steps={RL_STEPS}", "logging_steps=1", "reward_funcs=[tool_use]",
         "reward_weights=null", "eval_dataset=null", "plot_loss=false"])
