@@ -37,6 +37,10 @@ class DataArguments:
     # position ids instead of padded (the same gradient, no compute on pads). null: on where the
     # model supports it.
     padding_free: bool | None = None
+    # LLaMA-Factory's image budget (its defaults): each picture is resized to at most / at least this
+    # many pixels before the vision processor; fewer pixels, fewer image tokens per picture.
+    image_max_pixels: int = 768 * 768
+    image_min_pixels: int = 32 * 32
     tool_format: str | None = None
     default_system: str | None = None
     enable_thinking: bool | None = True
@@ -72,6 +76,14 @@ class DataArguments:
             _fail("dataset_dir", self.dataset_dir, "a folder path (it holds dataset_info.json)")
         if not _is_int(self.cutoff_len) or self.cutoff_len <= 0:
             _fail("cutoff_len", self.cutoff_len, "a positive integer (the maximum tokens per example)")
+        for name in ("image_max_pixels", "image_min_pixels"):
+            if not _is_int(getattr(self, name)) or getattr(self, name) <= 0:
+                _fail(name, getattr(self, name), "a positive integer (pixels per image, e.g. 589824 = 768 x 768)")
+        if self.image_min_pixels > self.image_max_pixels:
+            raise DataConfigError(
+                f"Data arguments: image_min_pixels ({self.image_min_pixels}) is above image_max_pixels "
+                f"({self.image_max_pixels}): pictures are resized to lie between the two. Lower image_min_pixels "
+                "or raise image_max_pixels.")
         if self.max_samples is not None and (not _is_int(self.max_samples) or self.max_samples <= 0):
             _fail("max_samples", self.max_samples, "a positive integer, or null for all rows")
         if self.preprocessing_engine not in PREPROCESSING_ENGINES:

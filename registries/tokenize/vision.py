@@ -56,7 +56,7 @@ def expand_images(template, messages: list[dict], paths: list[str], data_args) -
             "has no preprocessor_config.json. Use a vision-language model of that family (e.g. tiny:qwen2_vl "
             "for the qwen2_vl template)."
         )
-    max_pixels = getattr(data_args, "image_max_pixels", None) or DEFAULT_MAX_PIXELS
+    max_pixels = getattr(data_args, "image_max_pixels", None) or DEFAULT_MAX_PIXELS  # data args without them: LF defaults
     min_pixels = getattr(data_args, "image_min_pixels", None) or DEFAULT_MIN_PIXELS
     mm = plugin.inputs([load_image(path) for path in paths], processor, max_pixels, min_pixels)
     return plugin.expand(messages, mm, processor), mm

@@ -362,11 +362,17 @@ def test_unsupported_llamafactory_feature():
     )
 
 
-def test_multimodal_options_are_refused():
-    assert error_of(write("model_name_or_path: m\noutput_dir: o\nimage_max_pixels: 262144\n")) == (
-        "'image_max_pixels' in cfg.yaml is a LLaMA-Factory option for image, video or audio models; RayFactory "
-        "trains text-only models. Remove it (and use a text-only model and dataset)."
+def test_video_and_freeze_options_are_refused_and_the_image_budget_is_a_data_key():
+    assert error_of(write("model_name_or_path: m\noutput_dir: o\nfreeze_vision_tower: true\n")) == (
+        "'freeze_vision_tower' in cfg.yaml is a LLaMA-Factory option for video or audio models or for freezing "
+        "parts of a vision-language model; RayFactory trains text models and Qwen2-VL on images "
+        "(image_max_pixels, image_min_pixels), without those options yet. Remove it."
     )
+    data = load_config(write("model_name_or_path: m\noutput_dir: o\nimage_max_pixels: 262144\n")).data
+    assert (data.image_max_pixels, data.image_min_pixels) == (262144, 32 * 32)
+    assert "image_min_pixels (2000000) is above image_max_pixels (262144)" in error_of(
+        write("model_name_or_path: m\noutput_dir: o\nimage_max_pixels: 262144\nimage_min_pixels: 2000000\n"))
+    assert "image_max_pixels" in error_of(write("model_name_or_path: m\noutput_dir: o\nimage_max_pixels: 0\n"))
 
 
 def test_duplicate_yaml_key():

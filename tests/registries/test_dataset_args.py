@@ -14,6 +14,7 @@ def test_defaults_match_llamafactory():
         "default_system": None, "enable_thinking": True, "tokenized_path": None, "overwrite_cache": False,
         "skip_bad_rows": False, "streaming": False, "buffer_size": 16384, "padding_free": None,
         "preprocessing_engine": "auto", "escape_special_tokens": None,
+        "image_max_pixels": 768 * 768, "image_min_pixels": 32 * 32,  # LLaMA-Factory's ProcessorArguments
     }
 
 
