@@ -17,6 +17,7 @@ REINFORCE++) the per-token rewards' returns are whitened over the batch instead.
 from __future__ import annotations
 
 import logging
+import os
 import random
 
 import torch
@@ -27,6 +28,7 @@ from stages.rl.rollouts import greedy_samples, sampling_spec
 from stages.rl.overlong import with_overlong_penalty
 from stages.rl.ppo_math import RunningMoments, gae, kl_controller, normalize_scores, token_rewards
 from stages.rl.reinforce_pp import ESTIMATORS as REINFORCE_PP, reinforce_pp_advantages
+from stages.rl.remote_reward import HTTPOptions, JudgeReward, RemoteReward, api_reward
 from stages.rl.rewards import load_reward_funcs
 from stages.rl.roles import PPORoles, PromptRow, RLRun
 from stages.rl.steplog import PhaseTimer
@@ -165,10 +167,6 @@ class Scorer:
         self.use_model = bool(tuning.reward_model)
         self.remote = None
         if self.use_model and tuning.reward_model_type == "api":
-            import os
-
-            from stages.rl.remote_reward import HTTPOptions, api_reward
-
             self.remote = api_reward(tuning.reward_model, HTTPOptions(
                 timeout=rl.reward_api_timeout, retries=rl.reward_api_retries,
                 concurrency=rl.reward_api_concurrency, batch_size=rl.reward_api_batch_size,
@@ -179,7 +177,7 @@ class Scorer:
         server speaking plain JSON gets the templated prompt text (OpenRLHF sends prompt + completion
         as the model saw it); ours and a judge get the conversation's messages."""
         rows = [batch[s.group] for s in samples]
-        if getattr(self.remote, "protocol", None) == "json":
+        if isinstance(self.remote, RemoteReward) and self.remote.protocol == "json":
             prompts = [row.prompt_text for row in rows]
         else:
             prompts = [([{"role": "system", "content": row.system}] if row.system else []) + list(row.messages)
@@ -194,7 +192,7 @@ class Scorer:
             total = [a + (b or 0.0) for a, b in zip(total, remote)]  # None (no score) adds nothing
             scored = [b for b in remote if b is not None]
             stats["rewards/reward_model"] = sum(scored) / len(scored) if scored else float("nan")
-            if not hasattr(self.remote, "protocol"):  # a judge: the share of replies without a score
+            if isinstance(self.remote, JudgeReward):  # the share of replies without a score
                 stats["rewards/reward_model_unscored"] = (len(remote) - len(scored)) / len(remote)
         elif self.use_model:
             model_scores = self.run.roles.reward_scores(samples)

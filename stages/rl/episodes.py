@@ -51,12 +51,11 @@ class Episodes:
              on_first_turn: Callable[[], None] = lambda: None) -> list[RolloutSample]:
         """``sampling.n`` trajectories per row, grouped by row in row order; ``on_first_turn`` is
         called right before the first turn is sent to the backend."""
-        calls = []
+        announce = [on_first_turn]  # called once, as the first turn goes out
 
         def generate(prompt_ids, turn_sampling):
-            if not calls:
-                on_first_turn()
-            calls.append(len(prompt_ids))
+            if announce:
+                announce.pop()()
             return self.run.roles.generate(prompt_ids, turn_sampling)
 
         return multi_turn_rollout(
