@@ -2,6 +2,7 @@
 
     .venv/bin/python benchmarks/rollout_sync.py                 # both models, ~2 min here
     .venv/bin/python benchmarks/rollout_sync.py --models tiny --repeats 2
+    .venv/bin/python benchmarks/rollout_sync.py --sync-only tiny,20m,smollm2   # object store vs collective
 
 For each model (``tiny``: the Qwen2-style test model, hidden 64, head_dim 32, 0.2M params;
 ``20m``: the ~20M-parameter one of train_throughput.py), on a local Ray:
@@ -18,6 +19,8 @@ For each model (``tiny``: the Qwen2-style test model, hidden 64, head_dim 32, 0.
   adapter``, into an engine built with ``rollout_lora_rank``); medians of ``--repeats`` pushes,
   and the rollout tokens/s of that engine through the adapter (vLLM's CPU LoRA kernels) against
   the plain engine's.
+* **object store vs collective** (``--sync-only``): the same fp32 weights pushed through the
+  object store and broadcast over a gloo weight group (``rollout_weight_sync: collective``).
 """
 
 from __future__ import annotations
@@ -34,6 +37,9 @@ sys.path.insert(0, REPO_ROOT)
 from harness import MODEL_20M, format_table, machine_line  # noqa: E402
 
 MODELS = {"tiny": dict(hidden_size=64, num_heads=2), "20m": MODEL_20M}
+MODEL_NAMES = {"tiny": "tiny:qwen2,hidden_size=64,num_heads=2",
+               "20m": "tiny:qwen2,hidden_size=512,num_layers=6,num_heads=8,intermediate_size=1536",
+               "smollm2": "demo:smollm2-135m-instruct"}
 PROMPTS, N, NEW_TOKENS, PROMPT_LEN = 32, 4, 32, 16
 COLUMNS = [
     ("model", "model", "{}"), ("params", "params_m", "{:.2f}M"), ("engine start", "start_s", "{:.1f} s"),
@@ -141,16 +147,72 @@ def bench_lora(name: str, repeats: int, plain_tps: float) -> dict:
                 plain_tps=plain_tps)
 
 
+SYNC_COLUMNS = [
+    ("model", "model", "{}"), ("weights", "mb", "{:.1f} MB"), ("object store", "store_s", "{:.3f} s"),
+    ("per MB", "store_per_mb", "{:.4f} s"), ("collective (gloo)", "coll_s", "{:.3f} s"),
+    ("per MB", "coll_per_mb", "{:.4f} s"), ("of which load", "coll_load_s", "{:.3f} s"),
+    ("store / collective", "ratio", "{:.2f}x"),
+]
+
+
+def bench_sync(name: str, repeats: int) -> dict:
+    """One engine, the same fp32 model pushed ``repeats`` (+1 warm-up) times each way from this
+    process: ``ObjectStoreSync.push`` (export, safetensors, ray.put, the engine's load) against
+    the collective path (``WeightSender.send``: export and pack into 64 MiB buckets, then the gloo
+    broadcast straight into the engine's ``load_weights``), as ``rollout_weight_sync: collective``."""
+    import ray
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from fabric.actor_group import RoleWorker
+    from fabric.rollout import engine_runtime_env
+    from fabric.weight_sync import CollectiveSync, ObjectStoreSync, WeightSender
+    from stages.engines.vllm_backend import VLLMEngine, VLLMEngineConfig
+    from stages.loading import resolve_model_path
+
+    path = resolve_model_path(MODEL_NAMES[name])
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    config = VLLMEngineConfig(model_path=str(path), kv_cache_bytes=256 << 20, max_model_len=PROMPT_LEN + NEW_TOKENS)
+    engine = ray.remote(VLLMEngine).options(num_cpus=1, runtime_env=engine_runtime_env()).remote(config)
+    ray.get(engine.ready.remote())
+    store = [ObjectStoreSync().push(model, [engine]) for _ in range(repeats + 1)][1:]
+
+    host, port = RoleWorker.address_and_free_port(None)
+    joined = engine.join_weight_group.remote(host, port, 1, 2, "gloo")
+    sender = WeightSender()
+    sender.join(host, port, 2, "gloo")
+    ray.get(joined)
+    collective, loads = [], []
+    for _ in range(repeats + 1):
+        t = time.perf_counter()
+        plan = sender.send(model)
+        loads.append(ray.get(CollectiveSync("gloo").start(plan, [engine]))[0])
+        collective.append(time.perf_counter() - t)
+    ray.kill(engine)
+    mb = store[0].bytes / 2**20
+    store_s, coll_s = statistics.median(p.seconds for p in store), statistics.median(collective[1:])
+    return dict(model=name, mb=mb, store_s=store_s, store_per_mb=store_s / mb, coll_s=coll_s, coll_per_mb=coll_s / mb,
+                coll_load_s=statistics.median(loads[1:]), ratio=store_s / coll_s)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--models", default=",".join(MODELS), help=f"comma-separated, of {list(MODELS)}")
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--sync-only", default=None,
+                        help="only the object store vs collective table, for these models (of "
+                             f"{list(MODEL_NAMES)}, comma-separated)")
     args = parser.parse_args()
 
     from fabric.ray_args import RayArguments
     from fabric.ray_session import connect
 
     connect(RayArguments(ray_num_cpus=4))
+    if args.sync_only:
+        sync = [bench_sync(name, args.repeats) for name in args.sync_only.split(",")]
+        print(f"\n{machine_line()}\n")
+        print(format_table(sync, SYNC_COLUMNS))
+        return
     results = [bench_model(name, args.repeats) for name in args.models.split(",")]
     lora = [bench_lora(r["model"], args.repeats, r["vllm_tps"]) for r in results]
     print(f"\n{machine_line()}\n")

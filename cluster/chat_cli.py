@@ -4,6 +4,11 @@ Like LLaMA-Factory's ``llamafactory-cli chat``: type a message, the reply stream
 forgets the conversation, ``exit`` (or Ctrl-D, or Ctrl-C at the prompt) quits, Ctrl-C during a
 reply stops that reply. Generation settings (temperature, max_new_tokens, ...) and
 default_system come from the config, as everywhere else.
+
+With a vision-language model (a template with a vision plugin, e.g. qwen2_vl), ``/image PATH``
+reads a local picture and attaches it to the next message (an ``<image>`` is put at the start of
+that message unless the message places its own); the conversation keeps its images, ``clear``
+forgets them too.
 """
 
 from __future__ import annotations
@@ -20,6 +25,8 @@ from .driver import check_local_paths
 
 EXIT_WORDS = ("exit",)
 CLEAR_WORDS = ("clear",)
+IMAGE_COMMAND = "/image"
+IMAGE_PLACEHOLDER = "<image>"  # where an image goes in a message, as in training data
 
 
 def run_chat(args: argparse.Namespace) -> int:
@@ -46,6 +53,8 @@ class _Session:
     def __init__(self, chat, cfg: RunConfig):
         self.chat, self.cfg = chat, cfg
         self.history: list[dict] = []
+        self.images: list = []  # the history's pictures, one per <image> in it, in order
+        self.pending: list = []  # attached with /image, sent with the next message
 
     def loop(self) -> int:
         _enable_line_editing()
@@ -61,17 +70,44 @@ class _Session:
             if text.lower() in EXIT_WORDS:
                 return 0
             if text.lower() in CLEAR_WORDS:
-                self.history = []
+                self.history, self.images, self.pending = [], [], []
                 print("History has been removed.", flush=True)
+                continue
+            command, _, argument = text.partition(" ")
+            if command.lower() == IMAGE_COMMAND:
+                self.attach(argument.strip())
                 continue
             self.answer(text)
 
+    def attach(self, path: str) -> None:
+        """Read a local picture now (a wrong path is said at once, not after the next message)."""
+        from registries.errors import UserError
+        from registries.multimodal import vision_plugin_of
+        from stages.inference.vision_inputs import open_image
+
+        if not path:
+            print(f"rayfactory: usage: {IMAGE_COMMAND} PATH (a PNG, JPEG or other picture on this machine).", flush=True)
+            return
+        try:
+            vision_plugin_of(self.chat.template)  # a text model: the registry's one-line explanation
+            image = open_image(os.path.expanduser(path))
+        except UserError as error:
+            print(f"rayfactory: error: {error}", flush=True)
+            return
+        self.pending.append(image)
+        print(f"Image attached: {path} ({image.width}x{image.height}); it goes with your next message.", flush=True)
+
     def answer(self, text: str) -> None:
+        pending = self.pending
+        self.pending = []  # sent with this message, or dropped with it if the reply fails
+        if pending and text.count(IMAGE_PLACEHOLDER) != len(pending):
+            text = IMAGE_PLACEHOLDER * len(pending) + text
         messages = self.history + [{"role": "user", "content": text}]
+        images = self.images + pending
         print("Assistant: ", end="", flush=True)
         reply: list[str] = []
         try:
-            for piece in self.chat.stream_chat(messages, system=self.cfg.data.default_system):
+            for piece in self.chat.stream_chat(messages, system=self.cfg.data.default_system, images=images or None):
                 reply.append(piece)
                 print(piece, end="", flush=True)
         except KeyboardInterrupt:  # stream_chat has stopped the reply and waited for the engine
@@ -83,6 +119,7 @@ class _Session:
             return
         print(flush=True)
         self.history = messages + [{"role": "assistant", "content": "".join(reply)}]
+        self.images = images
 
     @staticmethod
     def _report(error: BaseException) -> None:
@@ -108,6 +145,8 @@ class _Session:
         ]
         width = max(len(name) for name, _ in rows)
         lines = [f"{name.ljust(width)}  {value}" for name, value in rows]
+        if getattr(self.chat.template, "mm_plugin", None):
+            lines.append(f"`{IMAGE_COMMAND} PATH` attaches a picture to your next message.")
         lines.append("Type a message and press Enter. `clear` removes the history, `exit` quits (Ctrl-D too); "
                      "Ctrl-C stops a reply.")
         return "\n".join(lines)

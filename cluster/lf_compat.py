@@ -37,10 +37,10 @@ UNSUPPORTED_KEYS = (
     "add_special_tokens", "upcast_layernorm", "upcast_lmhead_output", "train_from_scratch",
     "compute_accuracy", "pure_bf16", "media_dir", "fp8",
 )
-MULTIMODAL_KEYS = (  # image_max_pixels / image_min_pixels are data arguments here
-    "video_max_pixels", "video_min_pixels", "video_fps",
-    "video_maxlen", "use_audio_in_video", "audio_sampling_rate", "freeze_vision_tower",
-    "freeze_multi_modal_projector", "freeze_language_model",
+# image_max_pixels / image_min_pixels are data arguments here; freeze_vision_tower,
+# freeze_multi_modal_projector, freeze_language_model and train_mm_proj_only fine-tuning ones.
+MULTIMODAL_KEYS = (
+    "video_max_pixels", "video_min_pixels", "video_fps", "video_maxlen", "use_audio_in_video", "audio_sampling_rate",
 )
 FLASH_ATTN = {"auto": None, "disabled": "eager", "sdpa": "sdpa", "fa2": "flash_attention_2", "fa3": "flash_attention_3"}
 
@@ -59,9 +59,9 @@ def apply_lf_compat(values: dict[str, Any], origin: dict[str, str]) -> list[str]
             )
         elif key in MULTIMODAL_KEYS:
             raise ConfigError(
-                f"{key!r} in {origin[key]} is a LLaMA-Factory option for video or audio models or for freezing "
-                "parts of a vision-language model; RayFactory trains text models and Qwen2-VL on images "
-                "(image_max_pixels, image_min_pixels), without those options yet. Remove it."
+                f"{key!r} in {origin[key]} is a LLaMA-Factory option for video or audio models; RayFactory trains "
+                "text models and vision-language models on images (image_max_pixels, image_min_pixels), not on "
+                "video or audio yet. Remove it."
             )
 
     def move(old: str, old_value: Any, new: str, value: Any) -> None:

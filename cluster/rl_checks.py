@@ -11,6 +11,8 @@ from typing import Callable
 
 from registries.errors import ArgumentError, UserError
 
+from stages.rl.checks import RLConfigError, check_judge_keys
+
 from .config_types import ConfigError
 
 
@@ -94,6 +96,12 @@ def check_rl(run, where: Callable[[str], str], local: bool = True) -> None:
         )
     if run.rl.rollout_lora_sync == "adapter":
         _check_adapter_sync(run, where)
+    if run.rl.rollout_weight_sync == "collective":
+        _check_collective_sync(run, where)
+    try:
+        check_judge_keys(run, where)
+    except RLConfigError as exc:
+        raise ConfigError(str(exc)) from None
     completions, ranks = run.rl.completions_per_step, run.ray.ray_num_workers
     if completions < ranks:
         raise ConfigError(
@@ -140,4 +148,19 @@ def _check_adapter_sync(run, where: Callable[[str], str]) -> None:
         raise ConfigError(
             f"rollout_lora_sync adapter in {where('rollout_lora_sync')}: {problem}. Use rollout_lora_sync: merged "
             "(the adapter merged into a full copy of the weights, which works for every policy)."
+        )
+
+
+def _check_collective_sync(run, where: Callable[[str], str]) -> None:
+    """rollout_weight_sync collective: the policy's rank 0 broadcasts full weights to the engines."""
+    problem = None
+    if run.rl.rollout_backend != "vllm":
+        problem = "rollout_backend is hf, whose policy workers sample from their own weights (nothing is pushed)"
+    elif run.rl.rollout_lora_sync == "adapter":
+        problem = ("rollout_lora_sync is adapter, whose pushes (the adapter alone, a few MB) go through the object "
+                   "store, where vLLM's LoRA support loads them")
+    if problem:
+        raise ConfigError(
+            f"rollout_weight_sync collective in {where('rollout_weight_sync')}: {problem}. Use rollout_weight_sync: "
+            "object_store, or drop the setting that conflicts."
         )

@@ -146,28 +146,36 @@ class _Predictor:
         from stages.engines.types import PromptTooLong
 
         rows = batch.to_pylist()
-        # batch_chat takes one system and tool list: answer the rows that share them together.
+        # batch_chat takes one system and tool list: answer the rows that share them together. A
+        # row with images (an image eval dataset, a vision template) is its own group: its pictures
+        # belong to it alone, expanded by the template's vision plugin as training expands them.
         groups: dict[tuple, list[int]] = {}
         for i, row in enumerate(rows):
-            groups.setdefault((row["_system"] or None, row["_tools"] or None), []).append(i)
+            own = i if row.get("_images") else None
+            groups.setdefault((row["_system"] or None, row["_tools"] or None, own), []).append(i)
         replies: list[str] = [""] * len(rows)
         prompts: list[str] = [""] * len(rows)
-        for (system, tools), indices in groups.items():
+        for (system, tools, own), indices in groups.items():
             conversations = [rows[i]["_prompt"] for i in indices]
+            images = [str(path) for path in rows[own]["_images"]] if own is not None else None
             try:
-                answers = self.chat.batch_chat(conversations, system, tools)
+                if images:
+                    answers = [self.chat.chat(conversations[0], system, tools, images=images)]
+                else:
+                    answers = self.chat.batch_chat(conversations, system, tools)
             except PromptTooLong as exc:
                 raise CarriedDataError(self._too_long(rows, indices, system, tools, exc)) from None
             for i, answer in zip(indices, answers):
                 replies[i] = answer[0].response_text
-                ids = self.chat.prompt_ids(rows[i]["_prompt"], system, tools)
+                ids = self.chat.prompt_ids(rows[i]["_prompt"], system, tools, images=images)
                 prompts[i] = self.chat.tokenizer.decode(ids, skip_special_tokens=False)
         labels = [row["_response"][0]["content"] if row["_response"] else "" for row in rows]
         return {"prompt": prompts, "predict": replies, "label": labels, "worker": [os.getpid()] * len(rows)}
 
     def _too_long(self, rows, indices, system, tools, exc) -> DataConfigError:
         limit = exc.max_model_len
-        longest = max(indices, key=lambda i: len(self.chat.prompt_ids(rows[i]["_prompt"], system, tools)))
+        images = lambda i: [str(p) for p in rows[i]["_images"]] if rows[i].get("_images") else None  # noqa: E731
+        longest = max(indices, key=lambda i: len(self.chat.prompt_ids(rows[i]["_prompt"], system, tools, images(i))))
         row = rows[longest]
         return DataConfigError(
             f"eval row {row['_source_row']} of {row['_source_file']} is too long to predict: {exc} Raise "

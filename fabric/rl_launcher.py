@@ -28,6 +28,7 @@ from .actor_group import ActorGroup, gather
 from .ray_args import RayArguments
 from .placement import RoleSpec, place_roles, release
 from .rl_roles import CriticActor, PolicyActor, RayRoles, RewardActor
+from .weight_sync import CollectiveSync
 
 if TYPE_CHECKING:
     import ray
@@ -111,6 +112,10 @@ def _attempt(run: RLRun, ray_args: RayArguments) -> dict:
         if "rollout" in placements:  # vLLM rollouts; hf ones generate inside the policy workers
             engines, weight_sync = _start_engines(spec, ray_args, placements["rollout"])
             groups.append(engines)
+            if isinstance(weight_sync, CollectiveSync):  # policy rank 0 and every engine worker form its group
+                weight_sync.connect(lambda *group: policy.call_rank0_async(PolicyActor.join_weight_group, *group),
+                                    policy.call_rank0(PolicyActor.address_and_free_port), engines.actors,
+                                    engine_tp=ray_args.rollout_tensor_parallel_size)
         run.roles = RayRoles(policy, engines, weight_sync, critic=critic, reward=reward)
         # "my_rewards:score" and what it imports as it runs come from the directory the run started
         # in, for the run's length only
@@ -180,7 +185,11 @@ def _start_engines(spec: JobSpec, ray_args: RayArguments, placement):
         rollout_lora_rank=spec.finetuning.lora_rank if rl.rollout_lora_sync == "adapter" else None,
     )
     engines = ActorGroup(RolloutActor, placement, config, env_vars=engine_runtime_env()["env_vars"], name="rollout")
-    return engines, ObjectStoreSync(payload="full" if rl.rollout_lora_sync == "merged" else "adapter")
+    if rl.rollout_weight_sync == "collective":
+        sync = CollectiveSync("nccl" if ray_args.uses_gpu else "gloo")
+    else:
+        sync = ObjectStoreSync(payload="full" if rl.rollout_lora_sync == "merged" else "adapter")
+    return engines, sync
 
 
 def prompt_rows(dataset: "ray.data.Dataset", tokenizer) -> list[PromptRow]:

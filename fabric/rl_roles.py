@@ -26,10 +26,20 @@ from stages.engines.types import Completion, SamplingSpec
 from stages.rl.types import RolloutSample
 
 from .actor_group import ActorGroup, RayPending, RoleWorker, concat, gather, split_evenly
+from .weight_sync import CollectiveSync, WeightSender
 
 
 class PolicyActor(RoleWorker, PolicyWorker):
-    """A policy rank: the stage's PolicyWorker in a Ray actor that can join a process group."""
+    """A policy rank: the stage's PolicyWorker in a Ray actor that can join a process group, and
+    (rank 0) send its weights to the engines over a weight group (``rollout_weight_sync: collective``)."""
+
+    def join_weight_group(self, host: str, port: int, world_size: int, backend: str) -> None:
+        self.weight_sender = WeightSender()
+        self.weight_sender.join(host, port, world_size, backend)
+
+    def send_weights(self) -> list:
+        """Pack the weights and queue their broadcast; the plan the engines receive them by."""
+        return self.weight_sender.send(self.model)
 
 
 class CriticActor(RoleWorker, CriticWorker):
@@ -100,8 +110,12 @@ class RayRoles(PPORoles):
         collective the sender joins) completes here, before returning."""
         if self.engines is None:  # HF generate samples from the trained weights themselves
             return RayPending([], lambda _: {})
-        export = PolicyActor.export_adapter if getattr(self.weight_sync, "payload", "full") == "adapter" \
-            else PolicyActor.export_weights
+        if isinstance(self.weight_sync, CollectiveSync):
+            export = PolicyActor.send_weights  # the buckets' plan; the buckets follow over the weight group
+        elif getattr(self.weight_sync, "payload", "full") == "adapter":
+            export = PolicyActor.export_adapter
+        else:
+            export = PolicyActor.export_weights
         blob = self.policy.call_rank0_async(export)  # stays in the object store
         start = getattr(self.weight_sync, "start", None)
         if start is None:

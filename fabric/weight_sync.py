@@ -1,21 +1,20 @@
 """Pushing the policy's weights into the rollout engines after an update.
 
-Two transports behind one call, ``push(weights, engines) -> SyncStats``:
+Two transports; each ``start``s a push as the engines' next call (ObjectRefs of their load
+seconds), and ``ObjectStoreSync.push`` also does it whole, for callers that hold the weights:
 
 - ``ObjectStoreSync`` (any machine, CPU included): the policy exports a full HF-named state dict
   once, as safetensors bytes, puts it in the Ray object store, and every engine loads it in
   parallel. Cost: a host copy of the model per push plus one object-store read per engine.
-- ``NcclBroadcastSync`` (GPUs): policy rank 0 broadcasts each tensor over NCCL straight into the
-  engines' GPU workers, no host copy at all.
+- ``CollectiveSync`` (gloo on CPU, NCCL on GPU): policy rank 0 broadcasts the weights, in
+  buckets, straight into the engines' workers over a process group of their own; no
+  serialisation, no object store, no trip through host memory on GPUs.
 
 After a push every engine samples from the new weights (its prefix cache dropped).
 """
 
 from __future__ import annotations
 
-import contextlib
-import socket
-import sys
 import time
 from dataclasses import dataclass
 from typing import Mapping, Optional, Protocol, Sequence, Union
@@ -23,6 +22,8 @@ from typing import Mapping, Optional, Protocol, Sequence, Union
 import ray
 import torch
 
+from stages.engines.weight_buckets import DEFAULT_BUCKET_BYTES, Bucket, pack
+from stages.engines.weight_group import buffer_device
 from stages.rl.weights import export_adapter, export_state_dict, state_dict_to_bytes
 
 Weights = Union[torch.nn.Module, Mapping[str, torch.Tensor], bytes, "ray.ObjectRef"]
@@ -83,103 +84,92 @@ class ObjectStoreSync:
         return size, [getattr(engine, load).remote(weights) for engine in engines]
 
 
-class NcclBroadcastSync:
-    """Policy rank 0 broadcasts every tensor to the engines' workers over a dedicated NCCL group.
+class WeightSender:
+    """The sending end of a collective push, in the policy's rank-0 process (``PolicyActor``).
 
-    UNTESTED on the machine it was written on (no GPU there): written against vLLM 0.32's own
-    NCCL weight-transfer engine, which the engines run on their side (``VLLMEngineConfig(
-    weight_transfer="nccl")``; it joins with vLLM's ``StatelessProcessGroup`` +
-    ``PyNcclCommunicator`` and loads each received tensor through the model's ``load_weights``
-    inside vLLM's layer-wise reload). Group: rank 0 is the sender, engine i's tensor-parallel
-    workers are ranks ``1 + i * engine_tp ...``.
-
-    Build it and call ``push`` on EVERY policy rank, in the same order (``is_sender`` on rank 0
-    only): ZeRO-3 partitions are gathered one parameter at a time, a collective all ranks join;
-    the other ranks send nothing. Tensors go in the engines' ``dtype``. A LoRA policy is merged
-    (``export_state_dict``) on the GPU first, under ZeRO-3 with the whole model gathered.
+    ``send`` snapshots the weights into buckets (``weight_buckets.pack``: the one copy a push
+    makes, on the group's device) and returns their plan at once; a thread of its own then
+    broadcasts the buckets, one push after another in the order they were sent, while the policy
+    goes on training. Each engine's ``receive_weights(plan)`` waits for its turn in the engine's
+    queue (an asynchronous run's engine may still be generating), then takes the buckets.
     """
 
-    def __init__(self, engines: Sequence, *, dtype: torch.dtype, engine_tp: int = 1, is_sender: bool = True,
-                 master_address: Optional[str] = None, master_port: Optional[int] = None):
-        if not torch.cuda.is_available():
-            raise RuntimeError("NcclBroadcastSync needs CUDA GPUs on the policy and the engines; on CPU use "
-                               "ObjectStoreSync (weight sync through the Ray object store).")
-        self.engines, self.dtype, self.is_sender = list(engines), dtype, is_sender
+    def __init__(self):
         self.group = None
-        if not is_sender:
-            return
-        from vllm.distributed.weight_transfer.nccl_common import trainer_init
+        self.backend = None
+        self._thread = None
+        self._last = None
 
-        address = master_address or ray.util.get_node_ip_address()
-        port = master_port or _free_port()
-        world_size = 1 + len(self.engines) * engine_tp
-        joined = [engine.init_weight_group.remote(address, port, 1 + i * engine_tp, world_size)
-                  for i, engine in enumerate(self.engines)]
-        # rank 0 hosts the rendezvous store; returns once every engine worker has joined
-        self.group = trainer_init(dict(master_address=address, master_port=port, world_size=world_size))
-        ray.get(joined)
+    def join(self, host: str, port: int, world_size: int, backend: str) -> None:
+        from concurrent.futures import ThreadPoolExecutor
 
-    def push(self, weights: torch.nn.Module, engines: Optional[Sequence] = None) -> SyncStats:
-        if engines is not None and list(engines) != self.engines:
-            raise ValueError("NcclBroadcastSync pushes to the engines it was built with (their NCCL ranks)")
-        start = time.perf_counter()
-        tensors = _sources(weights, self.dtype, self.is_sender)
-        size = sum(_numel(shape) for _, shape, _ in tensors) * torch.empty(0, dtype=self.dtype).element_size()
-        receiving = []
-        if self.is_sender:
-            dtype_name = str(self.dtype).removeprefix("torch.")
-            receiving = [e.receive_broadcast.remote([n for n, _, _ in tensors], [dtype_name] * len(tensors),
-                                                    [list(s) for _, s, _ in tensors]) for e in self.engines]
-        stream = torch.cuda.current_stream()
-        for _, _, materialise in tensors:
-            with materialise() as tensor:  # all ranks: a ZeRO-3 gather is a collective
-                if self.is_sender:
-                    send = tensor.to(device="cuda", dtype=self.dtype).contiguous()
-                    self.group.broadcast(send, src=0, stream=stream)
-                    stream.synchronize()  # before a gathered ZeRO-3 buffer is released
-        loads = ray.get(receiving)
-        return SyncStats(size, time.perf_counter() - start, max(loads, default=0.0))
+        from stages.engines.weight_group import join
 
-    def close(self) -> None:
-        if self.group is not None:
-            self.group.destroy()
-            self.group = None
+        self.group = join(host, port, 0, world_size, backend)
+        self.backend = backend
+        self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="weight-push")
 
+    def send(self, model: torch.nn.Module, dtype: Optional[torch.dtype] = None,
+             bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> list[Bucket]:
+        """Snapshot ``model`` (``export_state_dict``: HF names, a LoRA adapter merged in) into
+        buckets and queue their broadcast; the plan the engines receive them by."""
+        if self.group is None:
+            raise RuntimeError("WeightSender.send before join: the engines are in no weight group with this process")
+        if self._last is not None and self._last.done():
+            self._last.result()  # an earlier push that failed (e.g. an engine died) fails this one
+        device = buffer_device(self.backend)
+        with torch.no_grad():
+            plan, buffers = pack(export_state_dict(model, dtype=dtype, device=device, copy=False), bucket_bytes, device)
+        self._last = self._thread.submit(self._broadcast, buffers)
+        return plan
 
-def _sources(model: torch.nn.Module, dtype: torch.dtype, is_sender: bool) -> list:
-    """``(name, shape, context manager yielding the full tensor)`` per tensor to send, in order
-    (for a LoRA policy, empty on the ranks that send nothing)."""
-    peft = sys.modules.get("peft")
-    if peft is not None and isinstance(model, peft.PeftModel):
-        with _gathered(list(model.parameters())):  # merging needs every (ZeRO-3) weight whole
-            state = export_state_dict(model, dtype=dtype, device=torch.cuda.current_device()) if is_sender else {}
-        return [(n, tuple(t.shape), lambda t=t: contextlib.nullcontext(t)) for n, t in state.items()]
-    # named_parameters() lists a tied parameter once, under its first (source) name, as the
-    # engines expect; buffers (rotary tables) are not weights vLLM loads.
-    return [(name, tuple(getattr(p, "ds_shape", p.shape)), lambda p=p: _gathered([p], yield_=p))
-            for name, p in model.named_parameters()]
+    def flush(self) -> None:
+        """Wait until every queued push has gone out (e.g. before the group is closed)."""
+        if self._last is not None:
+            self._last.result()
+
+    def _broadcast(self, buffers: list[torch.Tensor]) -> None:
+        from stages.engines.weight_group import broadcast
+
+        for buffer in buffers:
+            broadcast(self.group, buffer)
 
 
-@contextlib.contextmanager
-def _gathered(params: list, yield_=None):
-    """DeepSpeed ZeRO-3's ``GatheredParameters`` for partitioned ``params`` (read-only); else nothing."""
-    if any(hasattr(p, "ds_id") for p in params):
-        import deepspeed
+class CollectiveSync:
+    """Policy rank 0 broadcasts the weights into the engines' workers over a process group of
+    their own (``stages/engines/weight_group.py``): gloo on CPU, NCCL on GPU, the same code path
+    (bucketed, ``weight_buckets``) on both. No serialisation and no object store: one packing copy
+    on the sender, one bucket at a time on each receiver, loaded through the model's own
+    ``load_weights`` as the object-store path is.
 
-        with deepspeed.zero.GatheredParameters(params, modifier_rank=None):
-            yield None if yield_ is None else yield_.data
-    else:
-        yield None if yield_ is None else yield_.data
+    The driver holds this object; the policy's rank 0 holds the ``WeightSender``. ``connect`` once
+    (rank 0 hosts the group's store), then per push the policy's ``send_weights`` returns the plan
+    and ``start(plan, engines)`` has each engine receive by it (``fabric/rl_roles.py``).
+    Not run on a GPU here: NCCL differs from the CPU tests in the backend name and the buffers'
+    device only. A DeepSpeed ZeRO-3 policy (not offered for the RL roles yet) would need its
+    parameters gathered before packing.
+    """
 
+    payload = "full"
 
-def _numel(shape) -> int:
-    n = 1
-    for d in shape:
-        n *= d
-    return n
+    def __init__(self, backend: str):
+        from stages.engines.weight_group import BACKENDS
 
+        if backend not in BACKENDS:
+            raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+        self.backend = backend
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("", 0))
-        return s.getsockname()[1]
+    def connect(self, join_sender, address: tuple[str, int], engines: Sequence, engine_tp: int = 1) -> None:
+        """Form the group: ``join_sender(host, port, world_size, backend)`` (an ObjectRef: the
+        policy rank 0's ``join_weight_group``) and every engine worker at once; returns when all
+        have joined. ``address``: a host and free port on the sender's node."""
+        host, port = address
+        world_size = 1 + len(engines) * engine_tp
+        refs = [engine.join_weight_group.remote(host, port, 1 + i * engine_tp, world_size, self.backend)
+                for i, engine in enumerate(engines)]
+        ray.get([join_sender(host, port, world_size, self.backend)] + refs)
+
+    def start(self, plan: "ray.ObjectRef", engines: Sequence) -> list:
+        """Each engine's ``receive_weights`` (ObjectRefs of their seconds), queued behind whatever
+        it was already sent; Ray hands them the plan once the sender has packed the buckets."""
+        return [engine.receive_weights.remote(plan) for engine in engines]

@@ -75,6 +75,15 @@ class FinetuningArguments:
     additional_target: list[str] | None = None  # modules trained fully next to the adapter (e.g. embed_tokens)
     use_rslora: bool = False
     use_dora: bool = False
+    # Vision-language models (LLaMA-Factory's names and defaults; stages/training/vision_freeze.py has
+    # each family's module names): the vision tower and the projector stay frozen and LoRA stays on
+    # the language model unless told otherwise. Text models ignore them, as LLaMA-Factory does.
+    freeze_vision_tower: bool = True
+    freeze_multi_modal_projector: bool = True
+    freeze_language_model: bool = False
+    # LLaMA-Factory 0.9.2's spelling of "only the projector trains" (full only), kept for its YAML files:
+    # it sets the three above (freeze_vision_tower and freeze_language_model true, the projector trained).
+    train_mm_proj_only: bool = False
     # Preference stages. pref_loss picks the objective inside stage dpo: sigmoid (DPO), hinge, ipo,
     # orpo and simpo (the last two need no reference model).
     pref_beta: float = 0.1
@@ -154,6 +163,15 @@ class FinetuningArguments:
                 f"precompute_ref_log_probs computes a reference model's log-probs before training, but this run has "
                 f"no reference (stage {self.stage!r}, pref_loss {self.pref_loss!r}). Remove precompute_ref_log_probs.",
             )
+        if self.train_mm_proj_only:
+            if self.finetuning_type != "full":
+                raise ArgumentError(
+                    "train_mm_proj_only",
+                    f"train_mm_proj_only trains a vision-language model's projector alone, which needs finetuning_type "
+                    f"full (as in LLaMA-Factory), but finetuning_type is {self.finetuning_type!r}. Set finetuning_type: "
+                    "full, or remove train_mm_proj_only.",
+                )
+            self.freeze_vision_tower, self.freeze_multi_modal_projector, self.freeze_language_model = True, False, True
         for name in ("use_rslora", "use_dora"):
             if getattr(self, name) and self.finetuning_type != "lora":
                 raise ArgumentError(

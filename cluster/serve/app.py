@@ -33,6 +33,7 @@ from stages.inference.scoring import is_reward_output
 from stages.training.value_head import VALUE_HEAD_FILE
 
 from . import protocol as p
+from .images import decode_image_url
 from cluster.serve.serve_args import RequestLimits, ServeArguments, resolve_api_key
 
 DEPLOYMENT = "ChatServer"
@@ -198,9 +199,11 @@ class ChatServer:
         adapter = self._adapter(body.model)
         body.check_limits(self.limits)
         tools = p.tools_json(body)
+        images = await self._images(body)
         with _client_errors():
             messages, system = p.to_chat_inputs(body.messages)
-            prepared = await self.chat.arequest(messages, system, tools, **p.chat_options(body, adapter))
+            prepared = await self.chat.arequest(messages, system, tools, images=images,
+                                                **p.chat_options(body, adapter))
             self._check_room(prepared, body.max_completion_tokens or body.max_tokens)
             if body.stream:
                 return self._stream(body, prepared, tools)
@@ -223,6 +226,8 @@ class ChatServer:
             raise p.APIError(400, "send either messages (one conversation) or conversations (a list of them).",
                              param="messages")
         conversations = [body.messages] if body.messages is not None else body.conversations
+        if any(m.image_urls() for c in conversations for m in c):
+            raise p.APIError(400, "/v1/score takes text only: the reward model reads no images.", param="messages")
         with _client_errors(ValueError):
             converted = [p.to_chat_inputs(c, ends_on_reply=True) for c in conversations]
             async with self._score_lock:
@@ -261,6 +266,25 @@ class ChatServer:
             if len(raw) > limit:
                 raise too_big
         return await asyncio.to_thread(p.parse_body, bytes(raw), model)
+
+    async def _images(self, body: p.ChatCompletionRequest) -> Optional[list]:
+        """The request's pictures, decoded off the event loop (None: a text request). A text model,
+        or an image anywhere but a user message, is a 400 before anything is decoded."""
+        found = body.image_urls()
+        if not found:
+            return None
+        template = self.chat.template
+        if getattr(template, "mm_plugin", None) is None:
+            raise p.APIError(400, f"messages[{found[0][0]}].content holds an image_url part, but model "
+                                  f"{self.model_name!r} takes no images (its template {template.name!r} has no vision "
+                                  "plugin): this server takes text parts only.", param="messages",
+                             code="images_not_supported")
+        for index, _ in found:
+            if body.messages[index].role != "user":
+                raise p.APIError(400, f"messages[{index}] is a {body.messages[index].role} message with an image; "
+                                      "images go in user messages.", param="messages")
+        return await asyncio.to_thread(
+            lambda: [decode_image_url(url, f"messages[{i}].content", self.limits) for i, url in found])
 
     def _adapter(self, model: str) -> Optional[str]:
         """The adapter a request's ``model`` selects (None: the default model)."""

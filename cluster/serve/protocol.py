@@ -2,7 +2,9 @@
 
 Requests are validated here (pydantic v2) and converted to our roles: system messages become the
 ``system`` argument, ``tool`` -> ``observation``, an assistant turn with ``tool_calls`` -> a
-``function`` turn whose content is the JSON list ``[{"name", "arguments"}]`` training encodes.
+``function`` turn whose content is the JSON list ``[{"name", "arguments"}]`` training encodes;
+an ``image_url`` content part becomes an ``<image>`` in the text, its URL kept for the server to
+decode (images.py) when the model reads images.
 Replies (``Response`` / ``ChatDelta``) become OpenAI objects. Nothing here touches Ray or HTTP.
 """
 
@@ -101,31 +103,53 @@ class ToolCall(BaseModel):
     function: FunctionCallBody
 
 
+IMAGE_PLACEHOLDER = "<image>"  # where an image part stood, as training data marks it (registries/multimodal)
+
+
 class ChatMessage(BaseModel):
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: Optional[str] = None  # a list of text parts arrives joined into one text
+    # Text, or OpenAI's content parts normalised to {"type": "text", "text"} / {"type": "image_url",
+    # "url"}; whether this model may take images is the server's call (app.py), not the parser's.
+    content: Union[str, list[dict[str, str]], None] = None
     tool_calls: Optional[list[ToolCall]] = None
     tool_call_id: Optional[str] = None
     name: Optional[str] = None
 
     @field_validator("content", mode="before")
     @classmethod
-    def _text_parts(cls, content: Any) -> Any:
+    def _parts(cls, content: Any) -> Any:
         if not isinstance(content, list):
             return content
-        texts = []
+        parts = []
         for i, part in enumerate(content):
             kind = part.get("type") if isinstance(part, dict) else None
-            if kind != "text" and isinstance(kind, str):
-                raise ValueError(f"content[{i}] is a part of type {kind!r}: this server takes text parts only; it "
-                                 "serves a text model, with no image or audio input")
-            if kind != "text" or not isinstance(part.get("text"), str):
-                raise ValueError(f'content[{i}] must be a text part, {{"type": "text", "text": "..."}}')
-            texts.append(part["text"])
-        return "".join(texts)
+            if kind == "text" and isinstance(part.get("text"), str):
+                parts.append({"type": "text", "text": part["text"]})
+            elif kind == "image_url":
+                image = part.get("image_url")
+                url = image.get("url") if isinstance(image, dict) else None
+                if not isinstance(url, str):
+                    raise ValueError(f'content[{i}] is an image_url part without a URL; send {{"type": "image_url", '
+                                     '"image_url": {"url": "data:image/png;base64,..."}}')
+                parts.append({"type": "image_url", "url": url})
+            elif isinstance(kind, str) and kind != "text":
+                raise ValueError(f"content[{i}] is a part of type {kind!r}: this server takes text and image_url "
+                                 "parts only (no audio or file input)")
+            else:
+                raise ValueError(f'content[{i}] must be a text part, {{"type": "text", "text": "..."}}, or an '
+                                 'image_url part')
+        return parts
 
     def text(self) -> str:
+        """The text, with ``<image>`` where each image part stood."""
+        if isinstance(self.content, list):
+            return "".join(p["text"] if p["type"] == "text" else IMAGE_PLACEHOLDER for p in self.content)
         return self.content or ""
+
+    def image_urls(self) -> list[str]:
+        if not isinstance(self.content, list):
+            return []
+        return [p["url"] for p in self.content if p["type"] == "image_url"]
 
 
 class FunctionSpec(BaseModel):
@@ -181,8 +205,16 @@ class ChatCompletionRequest(BaseModel):
     def stops(self) -> list[str]:
         return [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
 
+    def image_urls(self) -> list[tuple[int, str]]:
+        """(message index, URL) of every image part, in the order the images fill the ``<image>``s."""
+        return [(i, url) for i, m in enumerate(self.messages) for url in m.image_urls()]
+
     def check_limits(self, limits) -> None:
         """What this request asks for against the server's ``RequestLimits`` (400s)."""
+        images = len(self.image_urls())
+        if images > limits.max_images:
+            raise APIError(400, f"the messages hold {images} images; this server takes at most {limits.max_images} "
+                                "per request (serve_max_images).", param="messages", code="too_many_images")
         if self.n > limits.max_n:
             raise APIError(400, f"n is {self.n}; this server answers at most {limits.max_n} choices per request "
                                 "(serve_max_n).", param="n", code="invalid_value")

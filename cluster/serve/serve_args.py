@@ -32,17 +32,24 @@ class ServeArguments:
     serve_max_stop_length: int = 256  # characters in one stop string
     serve_request_timeout_s: float = 300  # a request still generating this long after its first token is stopped (408)
     serve_docs: bool = False  # /docs and /openapi.json (their page loads scripts from a CDN)
+    # Images (a vision model's image_url parts, base64 data URLs): each is also inside the request
+    # body, so serve_max_request_bytes bounds them too; raise it for large pictures.
+    serve_max_images: int = 8  # image parts per request
+    serve_max_image_bytes: int = 8 << 20  # one image's decoded file (8 MiB)
+    serve_max_image_pixels: int = 4096 * 4096  # one image's width x height, read from its header
 
     def request_limits(self) -> "RequestLimits":
         return RequestLimits(self.serve_max_request_bytes, self.serve_max_n, self.serve_max_stop,
-                             self.serve_max_stop_length, self.serve_request_timeout_s)
+                             self.serve_max_stop_length, self.serve_request_timeout_s, self.serve_max_images,
+                             self.serve_max_image_bytes, self.serve_max_image_pixels)
 
     def __post_init__(self) -> None:
         if not 0 < self.api_port < 65536:
             raise ArgumentError("api_port", f"api_port must be a TCP port (1-65535), got {self.api_port}.")
         if self.serve_num_replicas < 1:
             raise ArgumentError("serve_num_replicas", f"serve_num_replicas must be at least 1, got {self.serve_num_replicas}.")
-        for name in ("serve_max_request_bytes", "serve_max_n", "serve_max_stop", "serve_max_stop_length"):
+        for name in ("serve_max_request_bytes", "serve_max_n", "serve_max_stop", "serve_max_stop_length",
+                     "serve_max_images", "serve_max_image_bytes", "serve_max_image_pixels"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ArgumentError(name, f"{name} must be a whole number of at least 1, got {value!r}.")
@@ -66,6 +73,9 @@ class RequestLimits:
     max_stop: int
     max_stop_length: int
     timeout_s: float
+    max_images: int = 8
+    max_image_bytes: int = 8 << 20
+    max_image_pixels: int = 4096 * 4096
 
 
 def resolve_api_key(cfg) -> Optional[str]:

@@ -324,3 +324,22 @@ register_model_family(
     notes="Qwen2-VL (Qwen2VLForConditionalGeneration): a ViT with 2x2 patch merging in front of a Qwen2 "
     "decoder with multimodal rotary positions; images arrive as <|vision_start|><|image_pad|>...<|vision_end|>.",
 )
+
+register_model_family(
+    "llava",
+    config_class="LlavaConfig",
+    model_types=["llava"],
+    template="llava",
+    bos_token="<s>",
+    eos_token="</s>",
+    pad_token="<pad>",
+    unk_token="<unk>",
+    add_bos=True,
+    # <image> is one special token (llava-hf's id 32000), so an image's run of them never merges or splits.
+    chat_tokens=("<image>",),
+    vision=True,
+    notes="LLaVA-1.5 (LlavaForConditionalGeneration): a CLIP vision tower whose patch features (the CLS one "
+    "dropped) go through a 2-layer MLP projector into a Llama-2 decoder; every image is one fixed-size crop, "
+    "so it arrives as the same number of <image> tokens. lora_target names like q_proj also match the CLIP "
+    "tower's attention: the vision-freeze options (stages/training/vision_freeze.py) keep LoRA off it.",
+)

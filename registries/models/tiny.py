@@ -113,6 +113,10 @@ def _build_tiny_vision_model(spec, out_dir, tokenizer, *, hidden_size, num_layer
 
     The vision tower keeps the processor's geometry (14-pixel patches, 2 frames per temporal
     patch, 2x2 merging: 1176 values per patch), so the genuine Qwen2VLImageProcessor feeds it."""
+    if spec.name == "llava":  # a fixed-size CLIP crop per image, no grid: its own builder
+        return _build_tiny_llava(spec, out_dir, tokenizer, hidden_size=hidden_size, num_layers=num_layers,
+                                 num_heads=num_heads, num_kv_heads=num_kv_heads, intermediate_size=intermediate_size,
+                                 max_position_embeddings=max_position_embeddings, seed=seed)
     import torch
     import transformers
 
@@ -126,18 +130,9 @@ def _build_tiny_vision_model(spec, out_dir, tokenizer, *, hidden_size, num_layer
         ("image_token_id", "<|image_pad|>"), ("video_token_id", "<|video_pad|>"),
         ("vision_start_token_id", "<|vision_start|>"), ("vision_end_token_id", "<|vision_end|>"))}
     config = getattr(transformers, spec.config_class)(
-        text_config=dict(
-            vocab_size=len(tokenizer),
-            hidden_size=hidden_size,
-            intermediate_size=intermediate_size,
-            num_hidden_layers=num_layers,
-            num_attention_heads=num_heads,
-            num_key_value_heads=num_kv_heads,
-            max_position_embeddings=max_position_embeddings,
+        text_config=_text_config(
+            tokenizer, hidden_size, intermediate_size, num_layers, num_heads, num_kv_heads, max_position_embeddings,
             rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [half - 2 * hw, hw, hw]},
-            bos_token_id=tokenizer.bos_token_id,
-            eos_token_id=tokenizer.eos_token_id,
-            pad_token_id=tokenizer.pad_token_id,
         ),
         vision_config=dict(
             depth=num_layers, embed_dim=vision_heads * 16, num_heads=vision_heads, mlp_ratio=2,
@@ -152,6 +147,65 @@ def _build_tiny_vision_model(spec, out_dir, tokenizer, *, hidden_size, num_layer
     # The family's genuine image processor (no download: its defaults are Qwen2-VL's); the PIL
     # backend by name, because torchvision is not installed.
     transformers.Qwen2VLImageProcessorPil().save_pretrained(out)
+    return out
+
+
+def _text_config(tokenizer, hidden_size, intermediate_size, num_layers, num_heads, num_kv_heads,
+                 max_position_embeddings, **extra) -> dict:
+    """A vision-language model's language half, of the tiny shape and the tokenizer's special ids."""
+    return dict(
+        vocab_size=len(tokenizer), hidden_size=hidden_size, intermediate_size=intermediate_size,
+        num_hidden_layers=num_layers, num_attention_heads=num_heads, num_key_value_heads=num_kv_heads,
+        max_position_embeddings=max_position_embeddings, bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id, **extra,
+    )
+
+
+# The tiny LLaVA's crop: 56 pixels in 14-pixel patches is 4x4 = 16 patch features (+ CLS, dropped by
+# the "default" feature strategy), so each image is 16 <image> tokens instead of LLaVA-1.5's 576.
+TINY_LLAVA_IMAGE_SIZE = 56
+
+
+def _build_tiny_llava(spec, out_dir, tokenizer, *, hidden_size, num_layers, num_heads, num_kv_heads,
+                      intermediate_size, max_position_embeddings, seed) -> Path:
+    """A random-init LLaVA-1.5 (LlavaForConditionalGeneration): a tiny CLIP vision tower, LLaVA's
+    2-layer MLP projector and a tiny Llama language model of the given shape, with CLIP's image
+    processor cropping to TINY_LLAVA_IMAGE_SIZE.
+
+    Everything the llava vision plugin (registries/multimodal/llava.py) assumes of a checkpoint
+    holds: patch 14, the "default" feature strategy (CLS dropped), one additional token, so its
+    count of <image> tokens per image is exactly the number of features the forward projects."""
+    import torch
+    import transformers
+
+    from registries.multimodal.llava import FEATURE_STRATEGY, IMAGE_TOKEN, PATCH_SIZE
+
+    vision_heads = 2
+    config = transformers.LlavaConfig(
+        text_config=_text_config(
+            tokenizer, hidden_size, intermediate_size, num_layers, num_heads, num_kv_heads, max_position_embeddings,
+            model_type="llama", head_dim=hidden_size // num_heads,
+        ),
+        vision_config=dict(
+            model_type="clip_vision_model", hidden_size=vision_heads * 16, intermediate_size=vision_heads * 32,
+            num_hidden_layers=num_layers, num_attention_heads=vision_heads, image_size=TINY_LLAVA_IMAGE_SIZE,
+            patch_size=PATCH_SIZE, projection_dim=hidden_size,
+        ),
+        image_token_index=tokenizer.convert_tokens_to_ids(IMAGE_TOKEN),
+        image_seq_length=(TINY_LLAVA_IMAGE_SIZE // PATCH_SIZE) ** 2,
+        vision_feature_select_strategy=FEATURE_STRATEGY,
+        vision_feature_layer=-2,  # LLaVA-1.5's: the tower's second-to-last layer
+    )
+    with _INIT_LOCK, torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = getattr(transformers, spec.auto_class).from_config(config, dtype=torch.float32)
+    out = _save(model, tokenizer, out_dir)
+    # CLIP's genuine processor (resize the short side, centre-crop, CLIP's mean/std), at the tiny
+    # crop; the PIL backend by name, because torchvision is not installed.
+    size = TINY_LLAVA_IMAGE_SIZE
+    transformers.CLIPImageProcessorPil(
+        size={"shortest_edge": size}, crop_size={"height": size, "width": size}
+    ).save_pretrained(out)
     return out
 
 

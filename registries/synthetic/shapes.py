@@ -5,6 +5,11 @@ held-out sets (sharegpt, LLaMA-Factory's multimodal layout: a ``messages`` list 
 ``<image>`` placeholder and an ``images`` list of paths relative to dataset_dir) and merges
 their entries into ``dataset_info.json``.
 
+The preference sets ``shapes_pref`` and ``shapes_pref_eval`` (LLaMA-Factory's sharegpt ranking
+layout with ``images``: ``messages``, a ``chosen`` and a ``rejected`` answer) ask the same questions
+about the same pictures as ``shapes_train`` and ``shapes_eval``, the right answer chosen and a
+wrong one (another colour or shape, drawn from a seeded stream) rejected.
+
 Every (colour, shape) pair appears in both splits, but each picture is its own draw of size and
 position from a seeded stream, so the held-out set asks about pictures never trained on. The
 answer is one word, so accuracy is an exact match; a model that cannot see the picture is at
@@ -28,6 +33,7 @@ QUESTIONS = {"colour": "<image>What colour is the shape?", "shape": "<image>What
 IMAGE_DIR = "shapes"
 TAGS = {"role_tag": "role", "content_tag": "content", "user_tag": "user", "assistant_tag": "assistant"}
 SPLITS = {"shapes_train": 8, "shapes_eval": 2}  # pictures per (colour, shape) pair
+PREF_SPLITS = {"shapes_pref": "shapes_train", "shapes_pref_eval": "shapes_eval"}  # the pictures they ask about
 
 
 @dataclass(frozen=True)
@@ -78,7 +84,28 @@ def rows(pictures: list[Picture]) -> list[dict]:
     return out
 
 
+def pref_rows(pictures: list[Picture], split: str, seed: int = SEED) -> list[dict]:
+    """``rows`` as preference pairs: the right answer chosen, a wrong one rejected."""
+    rng = random.Random(f"{seed}:{split}:wrong")
+    out = []
+    for row in rows(pictures):
+        question, answer = row["messages"]
+        choices = list(COLOURS) if answer["content"] in COLOURS else list(SHAPES)
+        wrong = rng.choice([c for c in choices if c != answer["content"]])
+        out.append({"messages": [question], "chosen": answer, "rejected": {"role": "assistant", "content": wrong},
+                    "images": row["images"]})
+    return out
+
+
 def entry(name: str) -> dict:
+    if name in PREF_SPLITS:
+        return {
+            "file_name": f"{name}.json",
+            "formatting": "sharegpt",
+            "ranking": True,
+            "columns": {"messages": "messages", "chosen": "chosen", "rejected": "rejected", "images": "images"},
+            "tags": dict(TAGS),
+        }
     return {
         "file_name": f"{name}.json",
         "formatting": "sharegpt",
@@ -104,6 +131,12 @@ def write(out_dir: str, seed: int = SEED) -> list[str]:
             f.write(json.dumps(rows(pictures), indent=1) + "\n")
         written.append(path)
         info[name] = entry(name)  # entries of other datasets are kept as they are
+    for name, pictures_of in PREF_SPLITS.items():
+        path = os.path.join(out_dir, f"{name}.json")
+        with open(path, "w", encoding="utf-8") as f:
+            f.write(json.dumps(pref_rows(plan(pictures_of, SPLITS[pictures_of], seed), name, seed), indent=1) + "\n")
+        written.append(path)
+        info[name] = entry(name)
     with open(info_path, "w", encoding="utf-8") as f:
         f.write(json.dumps(info, indent=2, ensure_ascii=False) + "\n")
     return written

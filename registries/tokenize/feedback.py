@@ -10,8 +10,11 @@ from __future__ import annotations
 
 from typing import Any, MutableMapping
 
-from .common import IGNORE_INDEX, Batch, SkipCounter, kto_tag, logger, messages, num_rows, optional_text, row_context
+from .common import (
+    IGNORE_INDEX, Batch, SkipCounter, kto_tag, logger, messages, num_rows, optional_text, row_context, where,
+)
 from .seqlen import infer_seqlen
+from .vision import has_image_column, row_image_paths
 
 NOT_ONE_RESPONSE = "not exactly one response (KTO rows have one response plus a kto_tag)"
 NO_TAG = "kto_tag is empty (set it to true or false)"
@@ -42,6 +45,14 @@ def preprocess_feedback(
             '"columns": {"kto_tag": "<column>"}, or train with stage=sft or stage=dpo instead.'
         )
 
+    if has_image_column(batch):
+        pictured = [row for row in range(num_rows(batch)) if row_image_paths(batch, row)]
+        if pictured:
+            raise ValueError(
+                f"Stage 'kto' does not read images yet, but {where(batch, pictured[0])} has some "
+                f"({len(pictured)} row(s) of this batch do). Train vision-language models with stage sft or dpo "
+                "(a ranking dataset with an images column), or use a kto dataset without images."
+            )
     skips = SkipCounter("kto")
     usable: list[tuple[int, list[dict], dict, bool]] = []  # (row, prompt, response, tag)
     for row in range(num_rows(batch)):

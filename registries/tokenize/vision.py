@@ -1,4 +1,4 @@
-"""Image rows for the supervised kinds: each ``<image>`` expanded into the family's vision tokens
+"""Image rows for the supervised and pairwise kinds: each ``<image>`` expanded into the family's vision tokens
 (the template's vision plugin, registries/multimodal) and the images decoded, resized and turned
 into the processor's tensors, inside the same batch function that tokenizes the text, so Ray Data
 spreads the decoding over the cluster.
@@ -9,6 +9,9 @@ aligned batch has an ``_images`` column; a text row in such a batch has empty ce
     pixel_values    list[float]       the processor's patches of every image of the row, flattened
                                       (Qwen2-VL: sum(t*h*w) patches of 3*2*14*14 values, float32)
     image_grid_thw  list[[t, h, w]]   one per image, in order
+
+A preference pair (pairwise.py) carries its images once, for the prompt both answers share; the
+collator counts them for each half of the pair.
 
 The collator (stages/training/vision_collators.py) concatenates them across the batch, as
 Qwen2-VL's forward takes them. Patches travel flattened rather than as decoded pictures: they are
@@ -45,10 +48,31 @@ def row_image_paths(batch: Batch, row: int) -> list[str]:
 def expand_images(template, messages: list[dict], paths: list[str], data_args) -> tuple[list[dict], dict[str, Any]]:
     """``messages`` with each ``<image>`` expanded into the template's vision tokens, and the
     processor's tensors for ``paths`` (decoded, resized by image_max_pixels / image_min_pixels)."""
+    mm = image_inputs(template, paths, data_args)
+    return expand_messages(template, messages, mm), mm
+
+
+def image_inputs(template, paths: list[str], data_args) -> dict[str, Any]:
+    """The processor's tensors for ``paths``: decoded once, then any number of message lists that
+    share the images (a preference pair's two answers) expand with ``expand_messages``."""
     from registries.multimodal import load_image, vision_plugin_of
     from registries.multimodal.images import DEFAULT_MAX_PIXELS, DEFAULT_MIN_PIXELS
 
     plugin = vision_plugin_of(template)  # a text-only template: a UserError that names a vision one
+    processor = _image_processor(template)
+    max_pixels = getattr(data_args, "image_max_pixels", None) or DEFAULT_MAX_PIXELS  # data args without them: LF defaults
+    min_pixels = getattr(data_args, "image_min_pixels", None) or DEFAULT_MIN_PIXELS
+    return plugin.inputs([load_image(path) for path in paths], processor, max_pixels, min_pixels)
+
+
+def expand_messages(template, messages: list[dict], mm: dict[str, Any]) -> list[dict]:
+    """``messages`` with each ``<image>`` expanded into the vision tokens of ``mm``'s images."""
+    from registries.multimodal import vision_plugin_of
+
+    return vision_plugin_of(template).expand(messages, mm, _image_processor(template))
+
+
+def _image_processor(template):
     processor = getattr(template, "image_processor", None)
     if processor is None:
         raise UserError(
@@ -56,10 +80,7 @@ def expand_images(template, messages: list[dict], paths: list[str], data_args) -
             "has no preprocessor_config.json. Use a vision-language model of that family (e.g. tiny:qwen2_vl "
             "for the qwen2_vl template)."
         )
-    max_pixels = getattr(data_args, "image_max_pixels", None) or DEFAULT_MAX_PIXELS  # data args without them: LF defaults
-    min_pixels = getattr(data_args, "image_min_pixels", None) or DEFAULT_MIN_PIXELS
-    mm = plugin.inputs([load_image(path) for path in paths], processor, max_pixels, min_pixels)
-    return plugin.expand(messages, mm, processor), mm
+    return processor
 
 
 def image_token_id(tokenizer, template) -> int:

@@ -153,6 +153,7 @@ class HFEngine:
                         streamer=observer,
                         stopping_criteria=StoppingCriteriaList([_Cancelled(cancel)]),
                         **_sampling_kwargs(sampling),
+                        **self._image_kwargs(request.images),
                     )
             finally:
                 if handle is not None:
@@ -161,6 +162,15 @@ class HFEngine:
         except BaseException as exc:  # noqa: BLE001 (handed to the awaiting coroutine)
             emit(exc)
         emit(_DONE)
+
+    def _image_kwargs(self, images: dict | None) -> dict:
+        """A vision request's processor tensors on the model's device; pixel values in the model's
+        float dtype (the processor gives float32, a bf16 model would refuse them)."""
+        if not images:
+            return {}
+        dtype = getattr(self.model, "dtype", None)
+        return {key: value.to(self.model.device, dtype=dtype if value.is_floating_point() else None)
+                if isinstance(value, torch.Tensor) else value for key, value in images.items()}
 
     def _select_adapter(self, name: str | None):
         """Activate the request's adapter; the context to generate in (adapters off for the bare base)."""

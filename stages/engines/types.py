@@ -46,11 +46,16 @@ class SamplingSpec:
 @dataclass(frozen=True)
 class GenerationRequest:
     """One prompt, for the streaming side (chat, serve): ``adapter`` names one of the engine's
-    ``adapters``; None is the engine's default model."""
+    ``adapters``; None is the engine's default model. Not always plain numbers: ``images`` holds
+    tensors, so such a request stays in the process that built it."""
 
     prompt_ids: tuple[int, ...]
     sampling: SamplingSpec
     adapter: Optional[str] = None
+    # A vision model's image inputs for this prompt: the processor's tensors (pixel_values,
+    # image_grid_thw, ...) whose image tokens ``prompt_ids`` already holds. Only the transformers
+    # engine takes them (stages/inference/vision_inputs.py builds them).
+    images: Optional[dict] = None
 
 
 @dataclass

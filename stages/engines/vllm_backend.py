@@ -3,7 +3,7 @@
 One class, two ways to build it, because vLLM offers two front ends:
 * ``VLLMEngine(config)``: an offline ``vllm.LLM`` with its engine core in this very process, for
   the RL rollout actors: ``generate_batch`` over many prompts, and the RL hooks (``load_weights``
-  of a safetensors blob or the NCCL broadcast of fabric/weight_sync.py, ``reset_cache``).
+  of a safetensors blob, or ``receive_weights`` of fabric/weight_sync.py's collective push; ``reset_cache``).
 * ``VLLMEngine.for_requests(config)``: an ``AsyncLLM`` for chat, serve, predict and the web UI:
   concurrent requests batched by vLLM's scheduler, streamed as deltas, base and LoRA adapters.
   The engine core runs in a process of its own (AsyncLLM always does; on CPU vLLM starts it with
@@ -64,10 +64,9 @@ def rollout_env_vars() -> dict[str, str]:
 class VLLMEngineConfig:
     """What one engine loads and how. On CPU, ``kv_cache_bytes`` must be set (vLLM would
     otherwise take a share of the machine's RAM) and ``dtype`` float32; ``enforce_eager`` skips
-    torch.compile / graph capture (~40 s of start-up on CPU). ``weight_transfer``: "nccl" makes
-    the engine join ``NcclBroadcastSync``'s process group (GPU only); None ships weights as bytes.
-    ``loras``: adapter name -> folder, served beside the base; ``extra``: the user's own vLLM
-    engine arguments (``vllm_config``), which win."""
+    torch.compile / graph capture (~40 s of start-up on CPU). ``loras``: adapter name -> folder,
+    served beside the base; ``extra``: the user's own vLLM engine arguments (``vllm_config``),
+    which win."""
 
     model_path: str
     max_model_len: int
@@ -77,7 +76,6 @@ class VLLMEngineConfig:
     enforce_eager: bool = True
     seed: int = 0
     tensor_parallel_size: int = 1
-    weight_transfer: Optional[str] = None
     trust_remote_code: bool = False
     revision: Optional[str] = None
     download_dir: Optional[str] = None
@@ -173,24 +171,19 @@ class VLLMEngine(AdapterReceiver):
         self._require("reset_cache", offline=True)
         self.llm.reset_prefix_cache()
 
-    def init_weight_group(self, master_address: str, master_port: int, rank_offset: int, world_size: int) -> None:
-        """Join the trainer's NCCL group: this engine's workers take ranks ``rank_offset`` ...
-        (vLLM's own NCCL weight-transfer engine: StatelessProcessGroup + PyNcclCommunicator).
-        Blocks until the trainer joins too."""
-        self._require_weight_transfer()
-        init_info = dict(master_address=master_address, master_port=master_port, rank_offset=rank_offset,
-                         world_size=world_size, packed=False)
-        self.llm.collective_rpc("init_weight_transfer_engine", kwargs={"init_info": init_info})
+    def join_weight_group(self, host: str, port: int, rank_offset: int, world_size: int, backend: str) -> None:
+        """Join the policy's weight group (stages/engines/weight_group.py): this engine's workers
+        take ranks ``rank_offset`` ... Blocks until every member has joined."""
+        self._require("join_weight_group", offline=True)
+        self.llm.collective_rpc("rf_join_weight_group", args=(host, port, rank_offset, world_size, backend))
 
-    def receive_broadcast(self, names: list[str], dtype_names: list[str], shapes: list[list[int]]) -> float:
-        """Receive one full weight update, one broadcast per tensor in this order, from rank 0;
-        seconds taken (from the call, so it includes waiting for the sender)."""
-        self._require_weight_transfer()
+    def receive_weights(self, plan: list) -> float:
+        """Receive one collective weight push (``plan``: the sender's buckets, ``weight_buckets``)
+        and load it; seconds taken, from the call, so they include waiting for the sender. The
+        prefix cache is dropped after, as for ``load_weights``."""
+        self._require("receive_weights", offline=True)
         start = time.perf_counter()
-        update_info = dict(names=names, dtype_names=dtype_names, shapes=shapes)
-        self.llm.collective_rpc("start_weight_update")
-        self.llm.collective_rpc("update_weights", kwargs={"update_info": update_info})
-        self.llm.collective_rpc("finish_weight_update")  # vLLM's post-load processing of the new weights
+        self.llm.collective_rpc("rf_receive_weights", args=(plan,))
         self.reset_cache()
         return time.perf_counter() - start
 
@@ -254,10 +247,6 @@ class VLLMEngine(AdapterReceiver):
             built = "for requests (AsyncLLM)" if self.serving else "for rollouts (LLM)"
             raise RuntimeError(f"VLLMEngine.{method} is not available on an engine built {built}")
 
-    def _require_weight_transfer(self) -> None:
-        if self.config.weight_transfer != "nccl":
-            raise RuntimeError("this engine was built without weight_transfer='nccl' (VLLMEngineConfig)")
-
 
 def _engine_args(config: VLLMEngineConfig) -> dict:
     args = dict(
@@ -271,8 +260,6 @@ def _engine_args(config: VLLMEngineConfig) -> dict:
         args["kv_cache_memory_bytes"] = int(config.kv_cache_bytes)
     if config.gpu_memory_utilization is not None:
         args["gpu_memory_utilization"] = config.gpu_memory_utilization
-    if config.weight_transfer:
-        args["weight_transfer_config"] = {"backend": config.weight_transfer}
     if config.loras:
         args.update(enable_lora=True, max_lora_rank=config.max_lora_rank,
                     max_loras=min(config.max_loras, len(config.loras)))

@@ -27,3 +27,37 @@ class WeightReceiver:
             raise ValueError("empty weight update: no tensors in the blob")
         self.reload_weights(weights_iterator=iter(state.items()), is_checkpoint_format=True)
         return len(state)
+
+    def rf_join_weight_group(self, host: str, port: int, rank_offset: int, world_size: int, backend: str) -> None:
+        """Join the policy's weight group (``weight_group.join``) as rank ``rank_offset`` + this
+        worker's rank in its engine (tensor-parallel workers each receive the full weights)."""
+        from .weight_group import join
+
+        self.rf_weight_group = join(host, port, rank_offset + getattr(self, "rank", 0), world_size, backend)
+        self.rf_weight_backend = backend
+
+    def rf_receive_weights(self, plan: list) -> int:
+        """Receive one weight push bucket by bucket (``weight_buckets.receive``) straight into the
+        model's own ``load_weights`` (as ``rf_load_safetensors``); returns the number of tensors.
+        Whatever the loader leaves unread is still received, so both sides stay in step."""
+        from .weight_buckets import receive
+        from .weight_group import broadcast, buffer_device
+
+        group = getattr(self, "rf_weight_group", None)
+        if group is None:
+            raise RuntimeError("rf_receive_weights before rf_join_weight_group: this engine is in no weight group")
+        count = 0
+        incoming = receive(plan, lambda buffer: broadcast(group, buffer), buffer_device(self.rf_weight_backend))
+
+        def counted():
+            nonlocal count
+            for item in incoming:
+                count += 1
+                yield item
+
+        try:
+            self.reload_weights(weights_iterator=counted(), is_checkpoint_format=True)
+        finally:
+            for _ in incoming:  # a loader that stopped early (or failed) must not leave the sender waiting
+                pass
+        return count

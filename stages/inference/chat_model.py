@@ -4,14 +4,17 @@
     chat.chat([{"role": "user", "content": "Hi"}])[0].response_text
     for piece in chat.stream_chat(messages): print(piece, end="")
 
-Prompts are built by the training template (``template.encode_oneturn``), replies decoded by the
-training tokenizer; the engine (transformers or vLLM) only maps token ids to token ids. The sync
-methods run the async ones on a private event loop thread; servers call the async ones.
+Prompts are built by the training template (``template.encode_oneturn``; for a vision template,
+``chat.chat(messages, images=[...])`` with one ``<image>`` per image, expanded by its vision plugin
+as in training), replies decoded by the training tokenizer; the engine (transformers or vLLM) only
+maps token ids to token ids. The sync methods run the async ones on a private event loop thread;
+servers call the async ones.
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import queue
 import threading
 from dataclasses import dataclass, field, replace
@@ -22,6 +25,7 @@ from registries.templates.tools import FunctionCall
 
 from ..engines.types import Engine, GenerationRequest, SamplingSpec
 from .loading import InferenceSpec, load_hf_model, load_tokenizer_and_template
+from .vision_inputs import expand_images, image_token_id
 
 # LLaMA-Factory's per-call generation keys, plus the OpenAI-style ones a server passes.
 _END = object()  # the last item of a sync stream
@@ -75,6 +79,7 @@ class ChatModel:
         self.engine = engine or build_engine(spec, self.tokenizer, self.template)
         self.stop_token_ids = tuple(self.template.stop_token_ids(self.tokenizer))
         self._loop: asyncio.AbstractEventLoop | None = None
+        self._plain_template = None  # the template with escaping off, for image prompts (encode_prompt)
 
     @property
     def adapters(self) -> tuple[str, ...]:
@@ -82,16 +87,45 @@ class ChatModel:
 
     # --- building a request ----------------------------------------------------------------
 
-    def prompt_ids(self, messages: list[dict], system: str | None = None, tools: str | None = None) -> list[int]:
-        """Token ids of the conversation up to the assistant's next turn, as training encodes it."""
+    def prompt_ids(self, messages: list[dict], system: str | None = None, tools: str | None = None,
+                   images=None) -> list[int]:
+        """Token ids of the conversation up to the assistant's next turn, as training encodes it
+        (``images``: one per ``<image>`` in the messages, expanded into the model's vision tokens)."""
+        return self.encode_prompt(messages, system, tools, images)[0]
+
+    def encode_prompt(self, messages: list[dict], system=None, tools=None, images=None) -> tuple[list[int], Optional[dict]]:
+        """(prompt ids, the image processor's tensors or None). Images are paths, bytes or PIL
+        images; the template's vision plugin expands each ``<image>`` exactly as the sft stage does."""
         if not messages or not isinstance(messages, list):
             raise ChatInputError("messages must be a non-empty list of {role, content} turns ending on a user turn.")
+        template, mm = self.template, None
+        if images:
+            try:
+                messages, mm = expand_images(self.template, list(messages), list(images), self.spec.data,
+                                             escape=self.template.escape_special_tokens)
+            except UserError as exc:  # a text template, a placeholder count that does not match, a broken image
+                raise ChatInputError(str(exc)) from None
+            # The caller's text is already marked (CallerText spans that leave the image tokens out).
+            template = self._unescaped_template()
         try:
-            return self.template.encode_oneturn(
+            ids = template.encode_oneturn(
                 self.tokenizer, list(messages) + [{"role": "assistant", "content": ""}], system, tools
             )[0]
         except ValueError as exc:  # the template's own checks: roles out of order, bad tool JSON
             raise ChatInputError(str(exc)) from None
+        if mm and "image_grid_thw" in mm:
+            # Qwen-VL's multimodal positions (M-RoPE) need to know which ids are image tokens;
+            # without this generate() quietly numbers them as text, unlike training's collator.
+            import torch
+
+            image_id = image_token_id(self.tokenizer, self.template)
+            mm = {**mm, "mm_token_type_ids": torch.tensor([[int(t == image_id) for t in ids]])}
+        return ids, mm
+
+    def _unescaped_template(self):
+        if self._plain_template is None:
+            self._plain_template = dataclasses.replace(self.template, escape_special_tokens=False)
+        return self._plain_template
 
     def sampling(self, **settings: Any) -> SamplingSpec:
         """The config's generation settings with per-call overrides (None means: the config's).
@@ -113,13 +147,17 @@ class ChatModel:
         )
 
     def request(self, messages, system=None, tools=None, *, adapter=None, n=1, stop=(), logprobs=None,
-                **settings) -> GenerationRequest:
+                images=None, **settings) -> GenerationRequest:
         if adapter is not None and adapter not in self.engine.adapters:
             raise ChatInputError(f"unknown adapter {adapter!r}; this model has {list(self.engine.adapters) or 'none'}.")
         if n < 1:
             raise ChatInputError(f"n must be at least 1, got {n}.")
+        if images and self.engine.name != "huggingface":
+            raise ChatInputError(f"the {self.engine.name} engine here takes no images; set infer_backend: huggingface "
+                                 "to chat with a vision-language model about images.")
         sampling = replace(self.sampling(**settings), n=n, stop_strings=tuple(stop or ()), logprobs=logprobs)
-        return GenerationRequest(tuple(self.prompt_ids(messages, system, tools)), sampling, adapter)
+        ids, mm = self.encode_prompt(messages, system, tools, images)
+        return GenerationRequest(tuple(ids), sampling, adapter, mm)
 
     # --- async API (servers) ---------------------------------------------------------------
 

@@ -88,13 +88,13 @@ def load_hf_model(spec: InferenceSpec, tokenizer):
     order, c stays a live adapter named "default"; each ``lora_modules`` entry is one more live
     adapter on the same base, selected by its name."""
     import torch
-    from transformers import AutoModelForCausalLM
 
-    from ..loading import model_dtype
+    from ..loading import auto_model_class, model_config, model_dtype
 
     dtype = spec.model.infer_dtype if spec.model.infer_dtype != "auto" else None
     dtype = getattr(torch, dtype) if dtype else model_dtype(spec.model)
-    model = AutoModelForCausalLM.from_pretrained(
+    # The class training loaded: a vision-language family (Qwen2-VL) is not an AutoModelForCausalLM.
+    model = auto_model_class(model_config(spec.model)).from_pretrained(
         resolve_model_path(spec.model.model_name_or_path), dtype=dtype,
         trust_remote_code=spec.model.trust_remote_code, revision=spec.model.model_revision,
         cache_dir=spec.model.cache_dir,

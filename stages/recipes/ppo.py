@@ -170,7 +170,8 @@ class Scorer:
             self.remote = api_reward(tuning.reward_model, HTTPOptions(
                 timeout=rl.reward_api_timeout, retries=rl.reward_api_retries,
                 concurrency=rl.reward_api_concurrency, batch_size=rl.reward_api_batch_size,
-                api_key=os.environ.get("REWARD_API_KEY") or None))  # never in the config (it is saved)
+                api_key=os.environ.get("REWARD_API_KEY") or None),  # never in the config (it is saved)
+                rubric=rl.reward_judge_rubric, model=rl.reward_judge_model, max_score=rl.reward_judge_max_score)
 
     def _remote_scores(self, batch: list[PromptRow], samples: list[RolloutSample]) -> list:
         """The API's score of each completion (None: a judge's reply without a score). A reward

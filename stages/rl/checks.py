@@ -9,6 +9,8 @@ from typing import Callable
 
 from registries.errors import UserError
 
+from .remote_reward import is_judge_url
+
 
 class RLConfigError(UserError):
     """A config an RL stage cannot run; the message is one paragraph that says how to fix it."""
@@ -43,6 +45,21 @@ def check_ppo(run, where: Callable[[str], str]) -> None:
             f"a PPO step's {rl.completions_per_step} completions in ppo_buffer_size {rl.ppo_buffer_size} mini-batches "
             f"leave {mini_batch} per mini-batch, fewer than the {ranks} policy/critic workers that each need one. "
             f"Lower ppo_buffer_size (in {where('ppo_buffer_size')}) or raise rollout_batch_size."
+        )
+
+
+def check_judge_keys(run, where: Callable[[str], str]) -> None:
+    """The reward_judge_* keys configure an LLM judge, which only stage ppo's reward_model can be."""
+    tuning, rl = run.finetuning, run.rl
+    keys = [k for k in ("reward_judge_rubric", "reward_judge_model") if getattr(rl, k) is not None]
+    if rl.reward_judge_max_score != 10.0:
+        keys.append("reward_judge_max_score")
+    judged = tuning.reward_model_type == "api" and is_judge_url(tuning.reward_model)  # only ppo reads reward_model
+    if keys and not judged:
+        raise RLConfigError(
+            f"{keys[0]} in {where(keys[0])} configures an LLM judge, but this run has none: the judge is stage ppo's "
+            "reward_model with reward_model_type api and an OpenAI-style chat URL ending in /chat/completions (e.g. "
+            "http://host:8000/v1/chat/completions). Set those, or remove the reward_judge_* keys."
         )
 
 

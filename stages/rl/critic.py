@@ -16,11 +16,13 @@ from typing import TYPE_CHECKING, Optional, Sequence
 
 import torch
 
-from .logprobs import budget_slices
+from .logprobs import budget_slices, pack_completions
 from .trainable import TrainableRole, pad_rows, sample_ids, sample_mask
 from .types import RolloutSample
 
 if TYPE_CHECKING:
+    from stages.training.collators import PaddingFreeCollator
+
     from ..job import JobSpec
 
 logger = logging.getLogger(__name__)
@@ -77,9 +79,9 @@ class CriticWorker(TrainableRole):
     # --- the controller's questions ---------------------------------------------------------------
     def values(self, samples: list[RolloutSample]) -> list[list[float]]:
         """The critic's value before each completion token (no gradient)."""
-        with torch.no_grad():
+        with torch.no_grad(), self.forwards():
             out = completion_values(self.model, *sample_ids(samples), self.pad_token_id,
-                                    max_tokens=self.spec.rl.max_tokens_per_micro_batch)
+                                    max_tokens=self.spec.rl.max_tokens_per_micro_batch, rows=self.rows)
         return [v.tolist() for v in out]
 
     def update(self, samples: list[RolloutSample], normalizer: float) -> dict:
@@ -92,7 +94,7 @@ class CriticWorker(TrainableRole):
 
         prompts, completions = sample_ids(chunk)
         values = pad_rows(completion_values(self.train_model, prompts, completions, self.pad_token_id,
-                                            micro_batch_size=len(chunk)))
+                                            micro_batch_size=len(chunk), rows=self.rows))
         loss, metrics = value_loss(
             values, pad_rows([torch.tensor(s.values) for s in chunk]), pad_rows([torch.tensor(s.returns) for s in chunk]),
             sample_mask(chunk), clip=self.spec.rl.cliprange_value, normalizer=normalizer,
@@ -106,29 +108,37 @@ class CriticWorker(TrainableRole):
 
 
 def completion_values(model, prompt_ids: Sequence[Sequence[int]], completion_ids: Sequence[Sequence[int]],
-                      pad_token_id: int, micro_batch_size: int = 16,
-                      max_tokens: Optional[int] = None) -> list[torch.Tensor]:
+                      pad_token_id: int, micro_batch_size: int = 16, max_tokens: Optional[int] = None,
+                      rows: Optional["PaddingFreeCollator"] = None) -> list[torch.Tensor]:
     """One 1-D float32 tensor per completion: the value head's output at the position before each
     completion token (the state the token was chosen in), as the log-probs are aligned.
 
     ``model`` is a ValueHeadModel, or one wrapped in DDP. Rows are right-padded with an attention
-    mask, so real tokens keep positions 0..len-1. ``max_tokens``: micro-batches by a budget of
-    padded tokens instead of ``micro_batch_size`` rows.
+    mask, so real tokens keep positions 0..len-1, or laid out padding-free by ``rows`` (as
+    completion_logprobs lays them out; the model must attend as ``rows.attention`` says).
+    ``max_tokens``: micro-batches by a token budget instead of ``micro_batch_size`` rows (padded
+    tokens, or real ones when padding-free).
     """
     device = next(model.parameters()).device
     results: list[torch.Tensor] = []
     lengths = [len(p) + len(c) for p, c in zip(prompt_ids, completion_ids)]
-    for part in budget_slices(lengths, micro_batch_size, max_tokens):
-        start = part.start
-        rows = [list(p) + list(c) for p, c in zip(prompt_ids[part], completion_ids[part])]
-        width = max(len(r) for r in rows)
-        input_ids = torch.full((len(rows), width), pad_token_id, dtype=torch.long)
-        mask = torch.zeros((len(rows), width), dtype=torch.long)
-        for i, row in enumerate(rows):
+    for part in budget_slices(lengths, micro_batch_size, max_tokens, padded=rows is None):
+        prompts, completions = prompt_ids[part], completion_ids[part]
+        if rows is not None:
+            packed = pack_completions(prompts, completions, rows)
+            values = model(input_ids=packed.input_ids.to(device), position_ids=packed.position_ids.to(device),
+                           sequence_ids=packed.sequence_ids.to(device)).values
+            results += values.reshape(-1)[packed.before.to(device)].split(packed.counts)
+            continue
+        seqs = [list(p) + list(c) for p, c in zip(prompts, completions)]
+        width = max(len(r) for r in seqs)
+        input_ids = torch.full((len(seqs), width), pad_token_id, dtype=torch.long)
+        mask = torch.zeros((len(seqs), width), dtype=torch.long)
+        for i, row in enumerate(seqs):
             input_ids[i, : len(row)] = torch.tensor(row)
             mask[i, : len(row)] = 1
         values = model(input_ids=input_ids.to(device), attention_mask=mask.to(device)).values
-        for i, (p, c) in enumerate(zip(prompt_ids[start:], completion_ids[start : start + len(rows)])):
+        for i, (p, c) in enumerate(zip(prompts, completions)):
             first = len(p) - 1  # the value at token t's predecessor is the state token t was chosen in
             results.append(values[i, first : first + len(c)])
     return results

@@ -71,26 +71,30 @@ class PolicyWorker(TrainableRole):
         """The current policy's log-prob of every completion token (the "old" policy of an update)."""
         from .logprobs import completion_logprobs
 
-        with torch.no_grad():
-            out = completion_logprobs(self.model, *sample_ids(samples), self.pad_token_id,
-                                      temperature=self.spec.generating.temperature,
-                                      max_tokens=self.spec.rl.max_tokens_per_micro_batch)
+        with torch.no_grad(), self.forwards():
+            out = completion_logprobs(self.model, *sample_ids(samples), self.pad_token_id, **self._logprob_options())
         return [t.tolist() for t in out]
 
     def reference_logprobs(self, samples: list[RolloutSample]) -> list[list[float]]:
-        """The frozen reference's log-probs (the same temperature scaling as the policy's)."""
+        """The frozen reference's log-probs (the same temperature scaling and layout as the policy's)."""
         from .logprobs import completion_logprobs
 
-        options = dict(temperature=self.spec.generating.temperature, max_tokens=self.spec.rl.max_tokens_per_micro_batch)
+        options = self._logprob_options()
         with torch.no_grad():
             if self.reference.kind == "model":
-                out = completion_logprobs(self.reference.model, *sample_ids(samples), self.pad_token_id, **options)
+                with self.forwards(self.reference.model):
+                    out = completion_logprobs(self.reference.model, *sample_ids(samples), self.pad_token_id, **options)
             elif self.reference.kind == "adapter_disabled":
-                with self.model.disable_adapter():
+                with self.model.disable_adapter(), self.forwards():
                     out = completion_logprobs(self.model, *sample_ids(samples), self.pad_token_id, **options)
             else:
                 raise RuntimeError("reference log-probs asked for, but beta is 0: no reference model was loaded")
         return [t.tolist() for t in out]
+
+    def _logprob_options(self) -> dict:
+        """completion_logprobs' options for the no-grad passes: sampling temperature, micro-batch budget, layout."""
+        return dict(temperature=self.spec.generating.temperature, max_tokens=self.spec.rl.max_tokens_per_micro_batch,
+                    rows=self.rows)
 
     def update(self, samples: list[RolloutSample], normalizer: float) -> dict:
         """One optimizer step on this rank's share of the step's samples; ``normalizer`` is the
@@ -128,7 +132,7 @@ class PolicyWorker(TrainableRole):
         # entropy comes from the same logits, only when the bonus needs it (it costs a softmax pass).
         out = completion_logprobs(self.train_model, prompts, completions, self.pad_token_id,
                                   temperature=self.spec.generating.temperature, micro_batch_size=len(chunk),
-                                  with_entropy=rl.entropy_coef > 0)
+                                  with_entropy=rl.entropy_coef > 0, rows=self.rows)
         logp, entropy = (pad_rows(out[0]), pad_rows(out[1])) if rl.entropy_coef > 0 else (pad_rows(out), None)
         mask = sample_mask(chunk)  # observation tokens of multi-turn samples are out of loss and KL
         # One update per rollout (num_iterations 1): the old policy is the current one, ratio 1.

@@ -254,11 +254,18 @@ class JudgeReward:
         return parse_score(content, self.max_score)
 
 
-def api_reward(url: str, options: HTTPOptions = HTTPOptions()) -> Union[RemoteReward, JudgeReward]:
-    """``reward_model_type: api``'s scorer for ``reward_model`` = ``url``: an LLM judge (default rubric,
-    the first served model) for an OpenAI-style ``.../chat/completions`` URL, else a reward server."""
-    if url.rstrip("/").endswith("/chat/completions"):
-        return JudgeReward(url, options=options)
+def is_judge_url(url) -> bool:
+    """An OpenAI-style chat URL, which ``reward_model_type: api`` asks as an LLM judge."""
+    return bool(url) and str(url).rstrip("/").endswith("/chat/completions")
+
+
+def api_reward(url: str, options: HTTPOptions = HTTPOptions(), rubric: Optional[str] = None,
+               model: Optional[str] = None, max_score: float = 10.0) -> Union[RemoteReward, JudgeReward]:
+    """``reward_model_type: api``'s scorer for ``reward_model`` = ``url``: an LLM judge (``rubric``,
+    default the built-in one; ``model``, default the first served) for an OpenAI-style
+    ``.../chat/completions`` URL, else a reward server."""
+    if is_judge_url(url):
+        return JudgeReward(url, model=model, rubric=rubric or DEFAULT_RUBRIC, max_score=max_score, options=options)
     return RemoteReward(url, options=options)
 
 

@@ -81,8 +81,9 @@ class RLArguments:
     overlong_penalty_factor: float = 1.0
     num_iterations: int = 1  # policy updates per rollout batch (TRL's mu)
     # Micro-batches of the policy's and critic's passes (update, log-probs, reference, values) by a
-    # budget of padded tokens (rows x the longest) instead of per_device_train_batch_size rows:
-    # verl's per-GPU token cap. The gradient does not depend on the split. None: by rows.
+    # budget of tokens instead of per_device_train_batch_size rows: verl's per-GPU token cap. Padded
+    # tokens (rows x the longest), or real ones when the passes are padding-free (the data key
+    # padding_free, docs/rl.md). The gradient does not depend on the split. None: by rows.
     max_tokens_per_micro_batch: Optional[int] = None
     # Drop prompt groups whose completions all got the same reward (no signal); the kept share is logged.
     dynamic_filtering: bool = False
@@ -125,6 +126,10 @@ class RLArguments:
     # (any engine), or the adapter alone, served by vLLM's LoRA support beside an untouched base
     # (bytes per push scale with the adapter; stages/engines/vllm_adapters.py).
     rollout_lora_sync: Literal["merged", "adapter"] = "merged"
+    # How full (or merged) weights travel to the engines after each step: through the Ray object
+    # store as safetensors bytes, or broadcast from the policy's rank 0 in buckets over a process
+    # group of their own (gloo on CPU, NCCL on GPU; fabric/weight_sync.py).
+    rollout_weight_sync: Literal["object_store", "collective"] = "object_store"
     vllm_max_model_len: Optional[int] = None  # None: cutoff_len + max_completion_length
     # GPU share an engine may take; None: vLLM's 0.9 on bundles of its own, 0.4 when colocated with
     # the policy (vLLM checks at start that this much of the GPU is free, after the policy loaded).
@@ -138,6 +143,13 @@ class RLArguments:
     reward_api_retries: int = 3
     reward_api_concurrency: int = 8
     reward_api_batch_size: int = 32
+    # An LLM judge (reward_model an OpenAI-style .../chat/completions URL): the rubric sent for each
+    # completion, with {prompt}, {completion} and {reference} filled in, asking for "Score: N"
+    # (None: the built-in 0-10 rubric); the served model to ask (None: the first the server lists);
+    # the score that maps to reward 1 (replies are scaled to [0, 1]).
+    reward_judge_rubric: Optional[str] = None
+    reward_judge_model: Optional[str] = None
+    reward_judge_max_score: float = 10.0
 
     def __post_init__(self) -> None:
         for name in ("rollout_batch_size", "num_generations", "max_completion_length", "num_iterations", "ppo_epochs",
@@ -180,6 +192,16 @@ class RLArguments:
         for name in ("reward_api_concurrency", "reward_api_batch_size"):
             if getattr(self, name) < 1:
                 raise ArgumentError(name, f"{name} must be at least 1, got {getattr(self, name)}.")
+        if self.reward_judge_rubric is not None and "{completion}" not in self.reward_judge_rubric:
+            raise ArgumentError(
+                "reward_judge_rubric",
+                "reward_judge_rubric has no {completion} placeholder, so the judge would never see the answer it "
+                "grades. Write the rubric with {completion} where the answer goes (and {prompt}, {reference} if "
+                "wanted), asking for one line \"Score: N\".",
+            )
+        if not self.reward_judge_max_score > 0:
+            raise ArgumentError("reward_judge_max_score", f"reward_judge_max_score (the judge's top score, which "
+                                f"maps to reward 1) must be positive, got {self.reward_judge_max_score}. E.g. 10.")
 
     def _check_loss_variants(self) -> None:
         """CISPO's cap, the entropy bonus and the overlong buffer; before epsilon_high defaults to epsilon."""

@@ -9,6 +9,7 @@ an RL checkpoint. The subclass says only what a micro-batch's loss is.
 from __future__ import annotations
 
 import contextlib
+import logging
 from typing import TYPE_CHECKING, Callable, Optional
 
 import torch
@@ -18,11 +19,14 @@ from .logprobs import budget_slices
 if TYPE_CHECKING:
     from ..job import JobSpec
 
+logger = logging.getLogger(__name__)
+
 
 class TrainableRole:
     spec: "JobSpec"
     dp_rank: int = 0
     dp_size: int = 1
+    rows = None  # the PaddingFreeCollator that lays out this role's forwards; None: padded (set by _prepare_training)
 
     def _prepare_training(self, model: torch.nn.Module, rank: int, world_size: int, total_updates: int,
                           learning_rate: Optional[float] = None) -> None:
@@ -32,6 +36,11 @@ class TrainableRole:
         options = self.spec.training
         self.dp_rank, self.dp_size = rank, world_size
         self.model = model
+        self.rows = forward_rows(self.tokenizer, self.spec.data, model)
+        if rank == 0:
+            logger.info("%s forwards: %s", type(self).__name__, "padded" if self.rows is None else
+                        f"padding-free, {'one row' if self.rows.one_row else 'rows'} per micro-batch, attention "
+                        f"{self.rows.attention or 'its own'}")
         self.train_model = model
         if world_size > 1:
             from torch.nn.parallel import DistributedDataParallel
@@ -62,14 +71,14 @@ class TrainableRole:
         micro = max(1, int(options.per_device_train_batch_size))
         budget = self.spec.rl.max_tokens_per_micro_batch
         lengths = [len(s.prompt_ids) + len(s.completion_ids) for s in samples]
-        chunks = [samples[part] for part in budget_slices(lengths, micro, budget)]
+        chunks = [samples[part] for part in budget_slices(lengths, micro, budget, padded=self.rows is None)]
         totals: dict[str, float] = {}
         self.optimizer.zero_grad(set_to_none=True)
         for index, chunk in enumerate(chunks):
             last = index == len(chunks) - 1
             # DDP syncs gradients on the last micro-batch only; no_sync must cover its forward too.
             sync = self.train_model.no_sync() if (self.dp_size > 1 and not last) else contextlib.nullcontext()
-            with sync:
+            with sync, self.forwards():  # the backward too: checkpointing recomputes attention in it
                 loss, metrics = chunk_loss(chunk)
                 (loss * self.dp_size).backward()  # DDP averages over ranks; the loss is already a global share
             metrics.pop("num_tokens", None)  # a per-micro-batch count: meaningless once merged
@@ -84,6 +93,18 @@ class TrainableRole:
         out.update(grad_norm=grad_norm, lr=self.scheduler.get_last_lr()[0], num_samples=len(samples),
                    micro_batches=len(chunks))
         return out
+
+    def forwards(self, *models) -> contextlib.ExitStack:
+        """The block the role's forwards and backwards run in: ``models`` (default: the role's own)
+        attend as its padding-free rows need (sdpa one sequence at a time), and go back to their
+        own attention after it, for what takes padded batches (the HF rollout backend's generate)."""
+        from stages.training.per_example_attention import attending
+
+        stack = contextlib.ExitStack()
+        attention = self.rows.attention if self.rows is not None else None
+        for model in models or (self.model,):
+            stack.enter_context(attending(getattr(model, "pretrained_model", model), attention))
+        return stack
 
     @property
     def pad_token_id(self) -> int:
@@ -103,6 +124,17 @@ class TrainableRole:
         from .checkpoint import load_role_state
 
         load_role_state(folder, self.dp_rank, self.model, self.optimizer, self.scheduler)
+
+
+def forward_rows(tokenizer, data_args, model):
+    """How an RL role lays out its forwards: a PaddingFreeCollator under ``padding_free`` (the
+    sft/dpo key; null: where the model keeps sequences apart in a shared row), None for padded
+    micro-batches. The same decision, and the same error for ``padding_free: true`` on a model
+    that cannot, as the training stages' (collators.padding_free_layout); a value head's language
+    model decides, as for stage rm."""
+    from stages.training.collators import padding_free_layout
+
+    return padding_free_layout(tokenizer, data_args, getattr(model, "pretrained_model", model))
 
 
 def _scheduler_kwargs(value) -> Optional[dict]:

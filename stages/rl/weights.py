@@ -14,7 +14,8 @@ from typing import Mapping, Optional
 import torch
 
 
-def export_state_dict(model, dtype: Optional[torch.dtype] = None, device="cpu") -> dict[str, torch.Tensor]:
+def export_state_dict(model, dtype: Optional[torch.dtype] = None, device="cpu",
+                      copy: bool = True) -> dict[str, torch.Tensor]:
     """A snapshot (copies on ``device``) of ``model``'s weights under the base model's HF names.
 
     ``model`` is a transformers causal LM or a peft ``PeftModel`` of one. A LoRA-style adapter is
@@ -27,19 +28,21 @@ def export_state_dict(model, dtype: Optional[torch.dtype] = None, device="cpu") 
     Tied weights (``tie_word_embeddings``: ``lm_head.weight`` is ``embed_tokens.weight``) are
     exported once, under the source name, as ``save_pretrained`` writes them: a fresh HF model
     re-ties on load and vLLM's loaders skip ``lm_head`` for tied models. ``dtype`` casts the
-    floating-point tensors (e.g. to the engines' dtype, to ship fewer bytes).
+    floating-point tensors (e.g. to the engines' dtype, to ship fewer bytes). ``copy=False``: a
+    plain model's tensors already of that dtype and device are handed out as they are (for a caller
+    that copies them itself at once); a merged adapter is always a copy.
     Parameters partitioned by DeepSpeed ZeRO-3 must be gathered by the caller.
     """
-    def snapshot(tensor: torch.Tensor) -> torch.Tensor:
+    def snapshot(tensor: torch.Tensor, copy: bool = True) -> torch.Tensor:
         cast = dtype if dtype is not None and tensor.is_floating_point() else None
-        return tensor.detach().to(device=device, dtype=cast, copy=True).contiguous()
+        return tensor.detach().to(device=device, dtype=cast, copy=copy).contiguous()
 
     peft = sys.modules.get("peft")  # a PeftModel can only exist once peft was imported
     with torch.no_grad():
         if peft is not None and isinstance(model, peft.PeftModel):
             base, state = _merged_state(model, snapshot)  # copies taken while merged
             return _drop_tied(base, state)
-        return {name: snapshot(t) for name, t in _drop_tied(model, model.state_dict()).items()}
+        return {name: snapshot(t, copy) for name, t in _drop_tied(model, model.state_dict()).items()}
 
 
 def state_dict_to_bytes(state: Mapping[str, torch.Tensor]) -> bytes:

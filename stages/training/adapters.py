@@ -1,4 +1,7 @@
-"""Which parameters train: full, freeze (some layers/modules) or LoRA (also on a quantized base)."""
+"""Which parameters train: full, freeze (some layers/modules) or LoRA (also on a quantized base).
+
+A vision-language model's parts follow freeze_vision_tower / freeze_multi_modal_projector /
+freeze_language_model in each kind (stages/training/vision_freeze.py)."""
 
 from __future__ import annotations
 
@@ -8,6 +11,8 @@ import re
 import torch
 
 from registries.errors import UserError
+
+from stages.training.vision_freeze import composite_of, frozen_parts, lora_all_excluded, lora_module_names, under
 
 logger = logging.getLogger(__name__)
 
@@ -24,9 +29,36 @@ def apply_finetuning(model, finetuning_args, model_args, is_trainable: bool = Tr
         return _apply_lora(model, finetuning_args, model_args, is_trainable)
     if not is_trainable:
         model.requires_grad_(False)
-    elif kind == "freeze":
-        _apply_freeze(model, finetuning_args)
+    else:  # full: all but a vision-language model's frozen parts; freeze: the chosen layers too
+        trained = _trained_names(model, finetuning_args)
+        for name, param in model.named_parameters():
+            if name not in trained:
+                param.requires_grad_(False)
+            elif kind == "freeze":
+                param.requires_grad_(True)
+        if kind == "freeze":
+            logger.info("freeze tuning: trainable layers %s", list(_freeze_patterns(model, finetuning_args)[1]))
     return model
+
+
+def _trained_names(model, finetuning_args) -> set[str]:
+    """The parameters full or freeze tuning trains (vision_freeze.py for a vision-language model's parts)."""
+    frozen = frozen_parts(composite_of(model), finetuning_args)
+    patterns = _freeze_patterns(model, finetuning_args)[0] if finetuning_args.finetuning_type == "freeze" else None
+    trained = {
+        name for name, _ in model.named_parameters()
+        if (patterns is None or under(name, patterns)) and not under(name, frozen)
+    }
+    # Only the vision options can leave nothing to train (every part frozen, the projector included).
+    if not trained and frozen:
+        raise AdapterError(
+            f"No parameter of this {model.config.model_type} model would train: freeze_vision_tower "
+            f"{finetuning_args.freeze_vision_tower}, freeze_multi_modal_projector "
+            f"{finetuning_args.freeze_multi_modal_projector} and freeze_language_model "
+            f"{finetuning_args.freeze_language_model} freeze every part that finetuning_type "
+            f"{finetuning_args.finetuning_type} would train. Set one of them to false."
+        )
+    return trained
 
 
 def _num_layers(config) -> int:
@@ -37,16 +69,9 @@ def _num_layers(config) -> int:
     raise AdapterError(f"Cannot find the layer count of model type {config.model_type!r}; use lora or full.")
 
 
-def _apply_freeze(model, finetuning_args) -> None:
-    """Train the last N layers (or the first N with a negative count), optionally only some modules."""
-    patterns, layer_ids = _freeze_patterns(model, finetuning_args)
-    for name, param in model.named_parameters():
-        param.requires_grad_(any(p in name for p in patterns))
-    logger.info("freeze tuning: trainable layers %s", list(layer_ids))
-
-
 def _freeze_patterns(model, finetuning_args) -> tuple[list[str], range]:
-    """Name fragments of the parameters freeze tuning trains, and the trained layer ids."""
+    """Name fragments of the parameters freeze tuning trains (the last N layers, or the first N with
+    a negative count, optionally only some modules), and the trained layer ids."""
     n_layers = _num_layers(model.config)
     n = finetuning_args.freeze_trainable_layers
     layer_ids = range(max(0, n_layers - n), n_layers) if n > 0 else range(min(-n, n_layers))
@@ -69,6 +94,9 @@ def _freeze_patterns(model, finetuning_args) -> tuple[list[str], range]:
                 f"freeze_extra_modules: {module!r} not found; choose from {sorted(other_modules)}."
             )
         patterns.append(module)
+    composite = composite_of(model)
+    if composite is not None and not finetuning_args.freeze_multi_modal_projector:
+        patterns += composite.projector_keys  # LLaMA-Factory trains an unfrozen projector next to the layers
     return patterns, layer_ids
 
 
@@ -96,14 +124,15 @@ def check_finetuning_fits(model, finetuning_args, model_args) -> None:
     and the mistake is reported before any worker starts.
     """
     _check_adapters(finetuning_args, model_args)
-    if finetuning_args.finetuning_type == "freeze":
-        _freeze_patterns(model, finetuning_args)
+    if finetuning_args.finetuning_type in ("full", "freeze"):
+        _trained_names(model, finetuning_args)
     elif finetuning_args.finetuning_type == "lora" and not model_args.adapter_name_or_path:
         _lora_targets(model, finetuning_args)
 
 
-def find_linear_modules(model) -> list[str]:
-    """Leaf names of every linear layer except the output head (what ``lora_target: all`` means)."""
+def find_linear_modules(model, excluded: tuple[str, ...] = ()) -> list[str]:
+    """Leaf names of every linear layer except the output head (what ``lora_target: all`` means),
+    and except those whose full name holds one of ``excluded`` (a vision-language model's parts)."""
     linear_types = (torch.nn.Linear,)
     try:  # quantized bases replace nn.Linear with bitsandbytes layers
         import bitsandbytes as bnb
@@ -115,7 +144,7 @@ def find_linear_modules(model) -> list[str]:
     names = set()
     for full_name, module in model.named_modules():
         leaf = full_name.split(".")[-1]
-        if isinstance(module, linear_types) and leaf not in head:
+        if isinstance(module, linear_types) and leaf not in head and not under(full_name, excluded):
             names.add(leaf)
     return sorted(names)
 
@@ -148,18 +177,32 @@ def _apply_lora(model, finetuning_args, model_args, is_trainable: bool):
 
 
 def _lora_targets(model, finetuning_args) -> list[str]:
-    """The linear layers' leaf names LoRA wraps (``all``: every one but the output head)."""
+    """The linear layers' leaf names LoRA wraps (``all``: every one but the output head); for a
+    vision-language model the full names of those outside its frozen parts (vision_freeze.py)."""
     targets = _as_list(finetuning_args.lora_target) or ["all"]
-    available = find_linear_modules(model)
+    composite = composite_of(model)
     if targets == ["all"]:
-        return available
-    missing = [t for t in targets if t not in available]
-    if missing:
+        excluded = () if composite is None else lora_all_excluded(composite, finetuning_args)
+        targets = find_linear_modules(model, excluded)
+    else:
+        available = find_linear_modules(model)
+        missing = [t for t in targets if t not in available]
+        if missing:
+            raise AdapterError(
+                f"lora_target {missing} not found in the model; its linear layers are {available} "
+                "(or use lora_target: all)."
+            )
+    if composite is None:
+        return targets
+    names = lora_module_names(model, composite, finetuning_args, targets)
+    if not names:
         raise AdapterError(
-            f"lora_target {missing} not found in the model; its linear layers are {available} "
-            "(or use lora_target: all)."
+            f"lora_target {targets} names no linear layer outside the frozen parts of this "
+            f"{model.config.model_type} model (freeze_vision_tower {finetuning_args.freeze_vision_tower}, "
+            f"freeze_language_model {finetuning_args.freeze_language_model}). Set freeze_language_model: false, "
+            "or name layers of an unfrozen part."
         )
-    return targets
+    return names
 
 
 def _as_list(value) -> list[str]:

@@ -27,6 +27,7 @@ batch of several rows has no place here, so those are refused rather than guesse
 
 from __future__ import annotations
 
+import contextlib
 import weakref
 from dataclasses import dataclass
 from functools import lru_cache, partial
@@ -196,3 +197,20 @@ def use_attention(model, implementation: str) -> None:
     if implementation == PER_EXAMPLE_SDPA:
         register()
     language_model(model).config._attn_implementation = implementation
+
+
+@contextlib.contextmanager
+def attending(model, implementation: str | None):
+    """``model`` runs ``implementation`` inside the block and its own attention again after (None:
+    unchanged). For a model that also takes padded batches, as the RL policy does when it generates:
+    PER_EXAMPLE_SDPA refuses them. A backward that recomputes attention (gradient checkpointing)
+    must run inside the block too, or it would recompute with the other attention."""
+    before = attention_implementation(model)
+    if not implementation or implementation == before:
+        yield
+        return
+    use_attention(model, implementation)
+    try:
+        yield
+    finally:
+        use_attention(model, before)

@@ -7,6 +7,9 @@ recipes sum per sequence (stages/training/sequence_logps.py; the value head for 
 chosen and rejected answers then share one forward with every other sequence of the batch.
 Reference log-probs computed before training (stages/training/reference_logps.py) ride along as
 ``ref_logps`` (and kto's ``kl_ref_logps``), one per sequence in the batch's order.
+
+A vision-language model's dpo pairs are always padded rows, with each pair's images for both of its
+sequences (vision_collators.vision_pairwise_collator; ``padding_free: true`` is refused there).
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ from typing import Any
 import torch
 
 from stages.training.collators import PaddingCollator, PaddingFreeCollator, padding_free_layout, to_columns
+from stages.training.vision_collators import is_vision_model, vision_pairwise_collator
 
 SEQUENCE_COLUMNS = ("input_ids", "attention_mask", "labels")
 
@@ -51,6 +55,14 @@ class PairwiseCollator(SequenceCollator):
 
     def __call__(self, features) -> dict[str, torch.Tensor]:
         columns = to_columns(features)
+        if any(len(pixels) for pixels in columns.get("pixel_values", ())):
+            # Only a vision-language policy's collator (vision_collators.py) hands images to the model;
+            # rm's value-head model would score the image tokens without the pictures.
+            raise ValueError(
+                "These preference pairs have images, but the model being trained does not read them here: "
+                "image pairs train with stage dpo on a vision-language model (e.g. tiny:qwen2_vl), not with "
+                "stage rm or a text model. Use stage dpo, or a dataset without an images column."
+            )
         stacked = {name: list(columns[f"chosen_{name}"]) + list(columns[f"rejected_{name}"]) for name in SEQUENCE_COLUMNS}
         batch = self.sequences(stacked)
         if "chosen_ref_logps" in columns:
@@ -88,7 +100,11 @@ def _rows(tokenizer, data_args, model) -> PaddingFreeCollator | None:
 
 
 def pairwise_collator(tokenizer, data_args, model=None, pad_to_multiple_of: int | None = None):
-    """rm/dpo: chosen then rejected, padded or padding-free."""
+    """rm/dpo: chosen then rejected, padded or padding-free; a vision-language model's pairs padded,
+    with their images (vision_collators.py)."""
+    if model is not None and is_vision_model(model):
+        pairs = PairwiseCollator.from_tokenizer(tokenizer, "right", pad_to_multiple_of=pad_to_multiple_of)
+        return vision_pairwise_collator(pairs, data_args, model)
     return PairwiseCollator.from_tokenizer(tokenizer, "right", pad_to_multiple_of=pad_to_multiple_of,
                                            rows=_rows(tokenizer, data_args, model))
 

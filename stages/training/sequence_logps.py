@@ -30,6 +30,8 @@ from registries.tokenize import IGNORE_INDEX
 from stages.training.chunked_loss import head_hands_back
 
 FORWARD_COLUMNS = ("input_ids", "attention_mask", "position_ids")
+# A vision-language model's images (stages/training/vision_collators.py), where the batch has them.
+IMAGE_COLUMNS = ("pixel_values", "image_grid_thw", "mm_token_type_ids")
 # chunked_loss_tokens null: chunks of ~64 MiB of fp32 logits (341 tokens of a 49k vocabulary), a
 # quarter of sft's. A preference step holds a chunk's logits, their log-softmax and, in the
 # backward, their gradient: on SmolLM2 LoRA dpo (benchmarks/README.md) the worker's peak fell by
@@ -47,7 +49,8 @@ def sequence_logps(model, inputs: dict, prefix: str = "", chunk_tokens: int | No
     is made on the module inside."""
     from accelerate.utils import extract_model_from_parallel
 
-    kwargs = {name: inputs[prefix + name] for name in FORWARD_COLUMNS if inputs.get(prefix + name) is not None}
+    kwargs = {name: inputs[prefix + name] for name in FORWARD_COLUMNS + IMAGE_COLUMNS
+              if inputs.get(prefix + name) is not None}
     labels = inputs[prefix + "labels"]
     owners = inputs.get(prefix + "sequence_ids")
     if owners is None:  # padded: row r is sequence r

@@ -9,6 +9,14 @@ across the batch the way Qwen2-VL's forward takes them:
     mm_token_type_ids (B, L)                                              1 on image tokens, 0 elsewhere
 
 A batch whose rows have no image gets neither image tensor (the model then reads text only).
+
+LLaVA-1.5 (``FixedSizeVisionCollator``): the processor crops every image to one square, so there is
+no grid and no mm_token_type_ids; pixel_values is (number of images, 3, size, size), in row order,
+with size the vision tower's ``image_size``.
+
+dpo's pairs (``VisionPairwiseCollator``): a pair's row carries its images once; the batch is all
+chosen sequences, then all rejected (preference_collators.PairwiseCollator), so the images are the
+rows' images in row order, then the same again: each image is counted for both halves of its pair.
 """
 
 from __future__ import annotations
@@ -34,6 +42,23 @@ class VisionCollator:
         grids = columns.pop(IMAGE_GRID_THW, None)
         batch = self.text.collate_columns(columns)
         joined = join_images(pixels or [], grids or [])
+        if joined is not None:
+            batch[PIXEL_VALUES], batch[IMAGE_GRID_THW] = joined
+        batch["mm_token_type_ids"] = (batch["input_ids"] == self.image_token_id).long()
+        return batch
+
+
+@dataclass
+class VisionPairwiseCollator:
+    pairs: Any  # preference_collators.PairwiseCollator (padded); not imported here, as for VisionCollator
+    image_token_id: int
+
+    def __call__(self, features) -> dict[str, torch.Tensor]:
+        columns = _columns(features)
+        pixels = columns.pop(PIXEL_VALUES, None) or []
+        grids = columns.pop(IMAGE_GRID_THW, None) or []
+        batch = self.pairs(columns)
+        joined = join_images(pixels + pixels, grids + grids)  # chosen rows' images, then the rejected rows'
         if joined is not None:
             batch[PIXEL_VALUES], batch[IMAGE_GRID_THW] = joined
         batch["mm_token_type_ids"] = (batch["input_ids"] == self.image_token_id).long()
@@ -82,6 +107,76 @@ def is_vision_model(model) -> bool:
 def vision_collator(text, data_args, model) -> VisionCollator:
     """sft for a vision-language model: ``text`` (a right-padding collator) for the text columns,
     never padding-free or packed, plus the image tensors."""
+    image_token_id = _padded_rows_image_token(data_args, model)
+    size = fixed_image_size(model)
+    if size is not None:
+        return FixedSizeVisionCollator(collate_text=text.collate_columns, image_size=size)
+    return VisionCollator(text=text, image_token_id=image_token_id)
+
+
+def vision_pairwise_collator(pairs, data_args, model) -> VisionPairwiseCollator:
+    """dpo for a vision-language model: ``pairs`` (a padded PairwiseCollator) for the sequences, never
+    padding-free, plus each pair's images for both of its sequences."""
+    image_token_id = _padded_rows_image_token(data_args, model)
+    size = fixed_image_size(model)
+    if size is not None:
+        return FixedSizeVisionCollator(collate_text=pairs, image_size=size, pairs=True)
+    return VisionPairwiseCollator(pairs=pairs, image_token_id=image_token_id)
+
+
+# Families whose processor crops every image to the vision tower's square (LLaVA-1.5's CLIP):
+# their rows carry pixel values without a grid.
+FIXED_SIZE_IMAGE_MODEL_TYPES = ("llava",)
+
+
+def fixed_image_size(model) -> int | None:
+    """The side of the square crop ``model`` reads every image as, or None for a grid family (Qwen2-VL)."""
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    config = getattr(base, "config", None)
+    if getattr(config, "model_type", None) not in FIXED_SIZE_IMAGE_MODEL_TYPES:
+        return None
+    return int(config.vision_config.image_size)
+
+
+@dataclass
+class FixedSizeVisionCollator:
+    """LLaVA-1.5's batches: the text columns padded by ``collate_text`` (a right-padding collator's
+    collate_columns, or a PairwiseCollator with ``pairs``), and every row's crops stacked as
+    pixel_values (number of images, 3, size, size); a pair's images count for both of its halves."""
+
+    collate_text: Any
+    image_size: int
+    pairs: bool = False
+
+    def __call__(self, features) -> dict[str, torch.Tensor]:
+        columns = _columns(features)
+        pixels = columns.pop(PIXEL_VALUES, None) or []
+        columns.pop(IMAGE_GRID_THW, None)  # empty cells: a fixed-size crop has no grid
+        batch = self.collate_text(columns)
+        joined = join_fixed_size_images(pixels + pixels if self.pairs else pixels, self.image_size)
+        if joined is not None:
+            batch[PIXEL_VALUES] = joined
+        return batch
+
+
+def join_fixed_size_images(pixels: list[Any], image_size: int) -> torch.Tensor | None:
+    """Each row's flattened crops -> (all crops, 3, size, size), or None without images."""
+    flat = [np.asarray(p, dtype=np.float32).reshape(-1) for p in pixels if p is not None and len(p)]
+    if not flat:
+        return None
+    values = torch.from_numpy(np.concatenate(flat))
+    per_image = 3 * image_size * image_size
+    if values.numel() % per_image:
+        raise ValueError(
+            f"Image columns do not agree: {values.numel()} pixel values are no whole number of "
+            f"{image_size}x{image_size} crops ({per_image} values each). The data was tokenized with another "
+            "image processor: delete tokenized_path."
+        )
+    return values.reshape(-1, 3, image_size, image_size)
+
+
+def _padded_rows_image_token(data_args, model) -> int:
+    """The model's image token id, once the options that would share rows between examples are off."""
     for option in ("padding_free", "neat_packing", "packing"):
         if getattr(data_args, option, None):
             raise ValueError(
@@ -92,4 +187,4 @@ def vision_collator(text, data_args, model) -> VisionCollator:
     image_token_id = getattr(base.config, "image_token_id", None)
     if image_token_id is None:
         raise ValueError(f"{type(base).__name__}'s config names no image_token_id, so image tokens cannot be found.")
-    return VisionCollator(text=text, image_token_id=int(image_token_id))
+    return int(image_token_id)

@@ -362,12 +362,26 @@ def test_unsupported_llamafactory_feature():
     )
 
 
-def test_video_and_freeze_options_are_refused_and_the_image_budget_is_a_data_key():
-    assert error_of(write("model_name_or_path: m\noutput_dir: o\nfreeze_vision_tower: true\n")) == (
-        "'freeze_vision_tower' in cfg.yaml is a LLaMA-Factory option for video or audio models or for freezing "
-        "parts of a vision-language model; RayFactory trains text models and Qwen2-VL on images "
-        "(image_max_pixels, image_min_pixels), without those options yet. Remove it."
+def test_video_options_are_refused_freeze_options_are_finetuning_keys_and_the_image_budget_is_a_data_key():
+    assert error_of(write("model_name_or_path: m\noutput_dir: o\nvideo_max_pixels: 16384\n")) == (
+        "'video_max_pixels' in cfg.yaml is a LLaMA-Factory option for video or audio models; RayFactory trains "
+        "text models and vision-language models on images (image_max_pixels, image_min_pixels), not on "
+        "video or audio yet. Remove it."
     )
+    assert "audio_sampling_rate" in error_of(write("model_name_or_path: m\noutput_dir: o\naudio_sampling_rate: 16000\n"))
+    # LLaMA-Factory's defaults: the vision tower and the projector frozen, the language model trained.
+    tuning = load_config(BASE).finetuning
+    assert (tuning.freeze_vision_tower, tuning.freeze_multi_modal_projector, tuning.freeze_language_model,
+            tuning.train_mm_proj_only) == (True, True, False, False)
+    tuning = load_config(write("model_name_or_path: m\noutput_dir: o\nfreeze_vision_tower: false\n"
+                               "freeze_multi_modal_projector: false\n")).finetuning
+    assert (tuning.freeze_vision_tower, tuning.freeze_multi_modal_projector) == (False, False)
+    # LLaMA-Factory 0.9.2's train_mm_proj_only: the projector alone, full fine-tuning only.
+    tuning = load_config({**BASE, "finetuning_type": "full", "train_mm_proj_only": True}).finetuning
+    assert (tuning.freeze_vision_tower, tuning.freeze_multi_modal_projector, tuning.freeze_language_model) == (
+        True, False, True)
+    assert "train_mm_proj_only trains a vision-language model's projector alone, which needs finetuning_type full" in (
+        error_of(write("model_name_or_path: m\noutput_dir: o\nfinetuning_type: lora\ntrain_mm_proj_only: true\n")))
     data = load_config(write("model_name_or_path: m\noutput_dir: o\nimage_max_pixels: 262144\n")).data
     assert (data.image_max_pixels, data.image_min_pixels) == (262144, 32 * 32)
     assert "image_min_pixels (2000000) is above image_max_pixels (262144)" in error_of(

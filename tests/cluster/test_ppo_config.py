@@ -416,3 +416,34 @@ def test_a_group_estimator_places_no_critic():
 def test_grpo_places_neither_critic_nor_reward_model():
     roles = roles_of({**PPO, "stage": "grpo", "rollout_num_engines": 2})
     assert roles == [RoleSpec("policy", 1, {"CPU": 1}), RoleSpec("rollout", 2, {"CPU": 1})]
+
+
+JUDGE = {**API, "reward_model": "http://judge:8000/v1/chat/completions"}
+
+
+def test_judge_keys_reach_the_config():
+    run = load_config({**JUDGE, "reward_judge_rubric": "Grade {completion}. Score: N", "reward_judge_model": "g",
+                       "reward_judge_max_score": 5})
+    assert (run.rl.reward_judge_rubric, run.rl.reward_judge_model, run.rl.reward_judge_max_score) == (
+        "Grade {completion}. Score: N", "g", 5)
+
+
+@pytest.mark.parametrize("config, message", [
+    ({**JUDGE, "reward_judge_rubric": "Grade the answer."},
+     "invalid reward_judge_rubric in the config dict: reward_judge_rubric has no {completion} placeholder, so the "
+     "judge would never see the answer it grades. Write the rubric with {completion} where the answer goes (and "
+     '{prompt}, {reference} if wanted), asking for one line "Score: N".'),
+    ({**JUDGE, "reward_judge_max_score": 0},
+     "invalid reward_judge_max_score in the config dict: reward_judge_max_score (the judge's top score, which maps "
+     "to reward 1) must be positive, got 0. E.g. 10."),
+    ({**API, "reward_model": "http://rm:8000/v1/score", "reward_judge_model": "g"},
+     "reward_judge_model in the config dict configures an LLM judge, but this run has none: the judge is stage "
+     "ppo's reward_model with reward_model_type api and an OpenAI-style chat URL ending in /chat/completions (e.g. "
+     "http://host:8000/v1/chat/completions). Set those, or remove the reward_judge_* keys."),
+    ({**BASE, "stage": "grpo", "reward_funcs": ["exact_match"], "reward_judge_max_score": 5},
+     "reward_judge_max_score in the config dict configures an LLM judge, but this run has none: the judge is stage "
+     "ppo's reward_model with reward_model_type api and an OpenAI-style chat URL ending in /chat/completions (e.g. "
+     "http://host:8000/v1/chat/completions). Set those, or remove the reward_judge_* keys."),
+])
+def test_judge_key_mistakes(config, message):
+    assert error_of(config) == message

@@ -62,18 +62,22 @@ def test_grpo_example_learns_its_format_reward_through_vllm_with_two_policy_work
     assert json.loads((out / "all_results.json").read_text())["total_steps"] == 30
 
 
-@pytest.mark.parametrize("lora_sync", ["merged", "adapter"])
-def test_grpo_lora_engine_samples_from_the_trained_adapter_at_every_step(ray_session, tmp_path, lora_sync):
+@pytest.mark.parametrize("lora_sync,weight_sync", [("merged", "object_store"), ("adapter", "object_store"),
+                                                    ("merged", "collective")])
+def test_grpo_lora_engine_samples_from_the_trained_adapter_at_every_step(ray_session, tmp_path, lora_sync,
+                                                                          weight_sync):
     """configs/grpo_lora.yaml on 2 policy workers: after every update the adapter reaches the
-    engine, merged into its weights or (rollout_lora_sync adapter) alone, served by vLLM's LoRA
-    beside the base, so the log-probs the engine reports for its samples equal the LoRA policy's
+    engine, merged into its weights (through the object store, or broadcast by policy rank 0 over
+    a gloo weight group: rollout_weight_sync collective) or (rollout_lora_sync adapter) alone,
+    served by vLLM's LoRA beside the base, so the log-probs the engine reports for its samples
+    equal the LoRA policy's
     (a sync that silently kept the base weights would show a gap once the adapter moved). Two
     updates per rollout (num_iterations 2): the old policy's log-probs come from a pass of their
     own, before the updates, and are what the check compares."""
     out = tmp_path / "out"
     config = example_config("grpo_lora.yaml", tmp_path, output_dir=str(out), max_steps=6, logging_steps=1,
                             ray_num_workers=2, eval_dataset=None, learning_rate=1e-2, num_iterations=2,
-                            rollout_lora_sync=lora_sync)
+                            rollout_lora_sync=lora_sync, rollout_weight_sync=weight_sync)
     result = run_exp(config)
 
     steps = [r for r in read_log(result.output_dir) if r.get("current_steps", 0) > 0 and "reward" in r]

@@ -172,3 +172,72 @@ def test_adapter_only_push_serves_the_lora_policy_beside_an_untouched_base(lora_
     assert engine_vs_hf(lora_engine, policy) > MISMATCH
     sync.push(policy, [lora_engine])  # a new version, a new LoRA id: served, not the cached first one
     assert engine_vs_hf(lora_engine, policy) < MATCH
+
+
+@pytest.fixture(scope="module")
+def sender(engine):
+    """This test process as the policy's rank 0 of a gloo weight group with the engine (the
+    ``rollout_weight_sync: collective`` path; NCCL differs in the backend name only)."""
+    from fabric.actor_group import RoleWorker
+    from fabric.weight_sync import WeightSender
+
+    host, port = RoleWorker.address_and_free_port(None)
+    joined = engine.join_weight_group.remote(host, port, 1, 2, "gloo")
+    sender = WeightSender()
+    sender.join(host, port, 2, "gloo")  # returns once the engine has joined too
+    ray.get(joined, timeout=60)
+    yield sender
+    sender.flush()
+
+
+def collective_push(sender, engine, model, bucket_bytes=1 << 14) -> float:
+    from fabric.weight_sync import CollectiveSync
+
+    plan = sender.send(model, bucket_bytes=bucket_bytes)
+    assert len(plan) > 1 or bucket_bytes > plan[0].nbytes  # small buckets: their boundaries are crossed
+    (seconds,) = ray.get(CollectiveSync("gloo").start(plan, [engine]), timeout=120)
+    return seconds
+
+
+def test_collective_push_makes_the_engine_sample_from_the_trained_weights(engine, sender, model_path):
+    model = hf_model(model_path)
+    big_step(model, seed=11)
+    assert engine_vs_hf(engine, model) > MISMATCH  # the engine holds other weights before the push
+    assert collective_push(sender, engine, model) > 0
+    assert engine_vs_hf(engine, model) < MATCH
+
+    big_step(model, seed=12)  # no push: the engine still samples from the previous weights
+    assert engine_vs_hf(engine, model) > MISMATCH
+    collective_push(sender, engine, model, bucket_bytes=64 << 20)  # the whole model in one bucket
+    assert engine_vs_hf(engine, model) < MATCH
+
+
+def test_collective_pushes_are_snapshots_received_in_the_order_sent(engine, sender, model_path):
+    """An asynchronous run queues a push while the engine is busy and trains on: the buckets hold
+    the weights as they were when sent, and two queued pushes arrive in order."""
+    import copy
+
+    model = hf_model(model_path)
+    big_step(model, seed=13)
+    first = sender.send(model, bucket_bytes=1 << 14)
+    as_sent = copy.deepcopy(model)
+    big_step(model, seed=14)  # the policy trains on before the engine has received anything
+    second = sender.send(model, bucket_bytes=1 << 14)
+    ray.get(engine.receive_weights.remote(first), timeout=120)
+    assert engine_vs_hf(engine, as_sent) < MATCH
+    assert engine_vs_hf(engine, model) > MISMATCH
+    ray.get(engine.receive_weights.remote(second), timeout=120)
+    assert engine_vs_hf(engine, model) < MATCH
+
+
+def test_collective_push_of_a_lora_policy_is_merged_and_leaves_it_unchanged(engine, sender, model_path):
+    from peft import LoraConfig, get_peft_model
+
+    torch.manual_seed(1)
+    config = LoraConfig(r=4, lora_alpha=8, target_modules="all-linear", init_lora_weights=False)
+    policy = get_peft_model(hf_model(model_path), config).eval()
+    big_step(policy, seed=15)
+    trainable = {n: p.detach().clone() for n, p in policy.named_parameters()}
+    collective_push(sender, engine, policy)
+    assert all(torch.equal(p, trainable[n]) for n, p in policy.named_parameters())
+    assert engine_vs_hf(engine, policy) < MATCH

@@ -16,9 +16,9 @@ COUNTS = {
     "arith_pref": 320, "arith_pref_eval": 80, "arith_pref_sharegpt": 320, "arith_kto": 640, "arith_kto_eval": 160,
     "pretrain_txt": 424, "pretrain_jsonl": 200, "tool_calls": 300, "tool_calls_eval": 60,
     "arith_format_pref": 320, "arith_format_pref_eval": 80,
-    "shapes_train": 192, "shapes_eval": 48, "calc_tool_sft": 500, "calc_prompts": 500, "calc_eval": 100,
+    "shapes_train": 192, "shapes_eval": 48, "shapes_pref": 192, "shapes_pref_eval": 48, "calc_tool_sft": 500, "calc_prompts": 500, "calc_eval": 100,
 }
-STAGE = {"arith_pref": "dpo", "arith_pref_eval": "rm", "arith_format_pref": "rm", "arith_format_pref_eval": "rm", "arith_pref_sharegpt": "dpo", "arith_kto": "kto", "arith_kto_eval": "kto", "pretrain_txt": "pt", "pretrain_jsonl": "pt", "calc_prompts": "grpo", "calc_eval": "grpo"}
+STAGE = {"arith_pref": "dpo", "arith_pref_eval": "rm", "arith_format_pref": "rm", "arith_format_pref_eval": "rm", "arith_pref_sharegpt": "dpo", "arith_kto": "kto", "arith_kto_eval": "kto", "pretrain_txt": "pt", "pretrain_jsonl": "pt", "calc_prompts": "grpo", "calc_eval": "grpo", "shapes_pref": "dpo", "shapes_pref_eval": "dpo"}
 
 
 @pytest.fixture(scope="module")

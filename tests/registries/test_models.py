@@ -40,8 +40,8 @@ def tiny_dirs(tmp_path_factory) -> dict:
 
 
 def test_expected_families_are_registered():
-    assert FAMILIES == ["gemma", "gemma2", "gemma3", "llama", "mistral", "phi3", "qwen2", "qwen2_vl", "qwen3"]
-    assert [name for name in FAMILIES if get_model_family(name).vision] == ["qwen2_vl"]
+    assert FAMILIES == ["gemma", "gemma2", "gemma3", "llama", "llava", "mistral", "phi3", "qwen2", "qwen2_vl", "qwen3"]
+    assert [name for name in FAMILIES if get_model_family(name).vision] == ["llava", "qwen2_vl"]
 
 
 def test_default_templates_follow_llamafactory_names():
@@ -136,9 +136,11 @@ def test_tiny_model_loads_runs_and_has_the_lora_targets(tiny_dirs, name):
     tokenizer = load_tokenizer(tiny_dirs[name])
     assert type(model.config).__name__ == family.config_class
     assert model.config.get_text_config().vocab_size == len(tokenizer)
-    # The vision tower's linears (qkv, proj, fc1, fc2, the merger's) are not LoRA targets.
+    # The vision tower's linears (qkv, proj, fc1, fc2, the merger's; LLaVA's CLIP tower and projector)
+    # are not LoRA targets.
+    vision_parts = (".visual.", ".vision_tower.", ".multi_modal_projector.")
     linear_names = {n.rsplit(".", 1)[-1] for n, m in model.named_modules()
-                    if isinstance(m, torch.nn.Linear) and ".visual." not in f".{n}"}
+                    if isinstance(m, torch.nn.Linear) and not any(part in f".{n}" for part in vision_parts)}
     assert linear_names == set(family.lora_targets) | {"lm_head"}
 
     ids = tokenizer("What is 12 + 7?", return_tensors="pt").input_ids

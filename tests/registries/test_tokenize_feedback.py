@@ -87,3 +87,15 @@ def test_non_boolean_tag_names_the_row():
     batch |= {"_source_file": ["kto.jsonl", "kto.jsonl"], "_source_row": [4, 5]}
     with pytest.raises(ValueError, match=r"row 5 of kto.jsonl has kto_tag 'false'; it must be true or false"):
         run(batch=batch)
+
+
+def test_rows_with_images_are_refused_naming_the_row():
+    """kto does not expand images: a row with pictures would train on a literal <image> string."""
+    batch = batch_of(tagged("<image>what shape?", "circle", True), tagged("b", "y", False))
+    batch |= {"_images": [["shapes/0.png"], None], "_source_file": ["kto.jsonl"] * 2, "_source_row": [3, 4]}
+    with pytest.raises(ValueError, match=r"Stage 'kto' does not read images yet, but row 3 of kto.jsonl has some "
+                                         r"\(1 row\(s\) of this batch do\)\. Train vision-language models with stage "
+                                         r"sft or dpo"):
+        run(batch=batch)
+    batch["_images"] = [None, None]  # an images column without pictures: a text dataset mixed with an image one
+    assert len(run(batch=batch)["input_ids"]) == 2

@@ -197,6 +197,19 @@ def test_adapter_only_sync_is_refused_where_vllm_cannot_serve_the_adapter(overri
     assert "rollout_lora_sync: merged" in str(caught.value)
 
 
+@pytest.mark.parametrize("overrides, words", [
+    ({"rollout_backend": "hf"}, "nothing is pushed"),
+    ({"rollout_lora_sync": "adapter"}, "go through the object store"),
+])
+def test_collective_sync_is_refused_where_there_is_no_full_push(overrides, words):
+    assert load_config({**GRPO, "rollout_weight_sync": "collective"}).rl.rollout_weight_sync == "collective"
+    with pytest.raises(ConfigError, match=words) as caught:
+        load_config({**GRPO, "rollout_weight_sync": "collective", **overrides})
+    assert "rollout_weight_sync: object_store" in str(caught.value)
+    with pytest.raises(ConfigError, match="rollout_weight_sync"):
+        load_config({**GRPO, "rollout_weight_sync": "nccl"})
+
+
 class TwoTurns:
     """A custom environment (module:Class in a config): one observation, then done."""
 

@@ -247,3 +247,21 @@ def test_api_reward_picks_the_scorer_by_the_url(path, kind, protocol):
     scorer = api_reward("http://host:8000" + path, QUICK)
     assert type(scorer) is kind and scorer.options is QUICK
     assert getattr(scorer, "protocol", None) == protocol
+
+
+def test_api_reward_builds_the_judge_from_the_reward_judge_keys(server):
+    """reward_judge_rubric / _model / _max_score reach the judge: the rubric as sent, the named
+    model asked (no /v1/models lookup), replies scaled by the top score."""
+    from stages.rl.remote_reward import api_reward
+
+    def chat(s, body, h):
+        assert body["model"] == "grader-7b"
+        return 200, {"choices": [{"index": 0, "message": {"role": "assistant", "content": "Score: 4"}}]}
+    server.routes["/v1/chat/completions"] = chat
+    judge = api_reward(server.url + "/v1/chat/completions", QUICK, rubric="Rate {completion} against {reference}.",
+                       model="grader-7b", max_score=5)
+    assert isinstance(judge, JudgeReward)
+    assert judge(["q"], ["forty-two"], reference=["42"]) == [0.8]
+    assert [path for path, _, _ in server.requests] == ["/v1/chat/completions"]
+    assert server.requests[0][1]["messages"][0]["content"] == "Rate forty-two against 42."
+    assert isinstance(api_reward(server.url + "/v1/score", QUICK, rubric="ignored {completion}"), RemoteReward)

@@ -1,5 +1,5 @@
 """The policy role without Ray: an update's gradient does not depend on how the batch is split into
-micro-batches (by rows or by a token budget), the HF rollout backend reports the model's own log-probs, and tiny-model names carry
+micro-batches (by rows or by a token budget, padded or padding-free), the HF rollout backend reports the model's own log-probs, and tiny-model names carry
 shape options (vLLM needs head size >= 32)."""
 
 from __future__ import annotations
@@ -65,23 +65,32 @@ def test_loss_variants_are_the_same_for_any_micro_batch_size(tmp_path, overrides
 
 
 def _micro_batch_steps_agree(tmp_path, **overrides) -> dict:
-    """The test above for the RL keys in ``overrides``; returns the last update's report."""
+    """The test above for the RL keys in ``overrides``; returns the last update's report. Padded
+    and padding-free (the micro-batch's sequences end to end in one row, attended one at a time)
+    steps alike must equal the padded whole batch's."""
     batch = samples()
     norm = loss_normalizer(overrides["loss_type"], [len(s.completion_ids) for s in batch], 32)
     steps, splits = [], []
     # by rows (2, 3), by a token budget (7 rows are 5..12 tokens long: 12 fits one row at most of
-    # the longest, 30 two or three), and the whole batch at once last, the reference
+    # the longest, 30 two or three; padding-free, the budget counts real tokens: 12 fits two short
+    # ones), padding-free by rows and by budgets, and the whole batch at once padded last, the reference
     for split in ({"per_device_train_batch_size": 2}, {"per_device_train_batch_size": 3},
                   {"max_tokens_per_micro_batch": 12}, {"max_tokens_per_micro_batch": 30},
+                  {"padding_free": True, "per_device_train_batch_size": 3},
+                  {"padding_free": True, "max_tokens_per_micro_batch": 12},
+                  {"padding_free": True, "max_tokens_per_micro_batch": 30},
                   {"per_device_train_batch_size": 16}):
-        worker = policy(tmp_path, **split, adam_epsilon=1e3, learning_rate=100.0, **overrides)
+        worker = policy(tmp_path, **{"padding_free": False, **split}, adam_epsilon=1e3, learning_rate=100.0,
+                        **overrides)
+        assert (worker.rows is not None) == split.get("padding_free", False)
         before = torch.cat([p.detach().flatten() for p in worker.model.parameters()])
         report = worker.update(batch, norm)
         assert report["num_samples"] == 7
         splits.append(report["micro_batches"])
         after = torch.cat([p.detach().flatten() for p in worker.model.parameters()])
         steps.append(after - before)
-    assert splits == [4, 3, 7, splits[3], 1] and 2 < splits[3] < 7, splits  # the splits really differ
+    # the splits really differ; padding-free budgets count no pads (12: one sample or two short ones)
+    assert splits == [4, 3, 7, splits[3], 3, 6, 2, 1] and 2 < splits[3] < 7, splits
     largest = torch.maximum(before.abs(), after.abs())
     spacing = torch.nextafter(largest, torch.tensor(float("inf"))) - largest  # of the last run's weights
     scale = steps[-1].abs().max()

@@ -274,23 +274,55 @@ async function runPreview() {
       `${p.dataset}: ${p.count} rows${capped} for stage ${p.stage}, template ${p.template}; ` +
       `${p.truncated} longer than cutoff_len ${p.cutoff_len} (they are truncated)`;
     drawHistogram(p.histogram, p.cutoff_len);
-    for (const row of p.rows) {
+    p.rows.forEach((row, index) => {
+      const images = (p.images || [])[index] || [];
       for (const seq of row) {
         const div = document.createElement("div");
         div.className = "preview-row";
         div.innerHTML = `<div class="name">${escapeHtml(seq.name)} (${seq.tokens.length} tokens)</div>`;
+        // A row with images: its pictures on the left, its tokens beside them.
+        const tokens = images.length ? document.createElement("div") : div;
+        if (images.length) {
+          const body = document.createElement("div");
+          body.className = "preview-body";
+          body.append(previewImages(images), tokens);
+          div.appendChild(body);
+        }
         for (const t of seq.tokens) {
           const span = document.createElement("span");
           span.className = `tok ${t.trained ? "trained" : "prompt"}`;
           span.dataset.id = t.id;
           span.title = `id ${t.id}`;
           span.textContent = t.text.replace(/\n/g, "\u21b5");
-          div.appendChild(span);
+          tokens.appendChild(span);
         }
         $("preview").appendChild(div);
       }
-    }
+    });
   } catch (e) { $("preview-stats").textContent = ""; showError("preview-error", e.message); }
+}
+
+// The preview's thumbnails (PNG data URLs made by the server, cluster/webui/preview.py); an image
+// the server would not show (outside dataset_dir, too large, unreadable) is named with the reason.
+function previewImages(images) {
+  const box = document.createElement("div");
+  box.className = "preview-images";
+  for (const im of images) {
+    const figure = document.createElement("figure");
+    if (typeof im.data_url === "string" && im.data_url.startsWith("data:image/png;base64,")) {
+      const img = document.createElement("img");
+      img.src = im.data_url;
+      img.alt = img.title = im.name;
+      img.width = im.width;
+      img.height = im.height;
+      figure.appendChild(img);
+    }
+    const caption = document.createElement("figcaption");
+    caption.textContent = im.error ? `${im.name}: ${im.error}` : im.name;
+    figure.appendChild(caption);
+    box.appendChild(figure);
+  }
+  return box;
 }
 
 function drawHistogram(h, cutoff) {
