@@ -283,7 +283,7 @@ register_model_family(
 register_model_family(
     "gemma3",
     config_class="Gemma3TextConfig",
-    model_types=["gemma3_text", "gemma3"],
+    model_types=["gemma3_text"],  # "gemma3" is the multimodal wrapper: family gemma3_vl
     template="gemma3",
     bos_token="<bos>",
     eos_token="<end_of_turn>",  # Gemma 3 instruct tokenizers end on the turn marker
@@ -291,7 +291,7 @@ register_model_family(
     unk_token="<unk>",
     add_bos=True,
     chat_tokens=("<eos>", *_GEMMA_MARKERS),
-    notes="Text-only Gemma 3 (Gemma3ForCausalLM); model_type gemma3 is the multimodal wrapper.",
+    notes="Text-only Gemma 3 (Gemma3ForCausalLM); model_type gemma3 is the multimodal wrapper (gemma3_vl).",
 )
 
 register_model_family(
@@ -342,4 +342,24 @@ register_model_family(
     "dropped) go through a 2-layer MLP projector into a Llama-2 decoder; every image is one fixed-size crop, "
     "so it arrives as the same number of <image> tokens. lora_target names like q_proj also match the CLIP "
     "tower's attention: the vision-freeze options (stages/training/vision_freeze.py) keep LoRA off it.",
+)
+
+register_model_family(
+    "gemma3_vl",
+    config_class="Gemma3Config",
+    model_types=["gemma3"],
+    template="gemma3",
+    bos_token="<bos>",
+    eos_token="<end_of_turn>",
+    pad_token="<pad>",
+    unk_token="<unk>",
+    add_bos=True,
+    # Gemma 3's image markers are single special ids, as in the real tokenizer, so an image's run of
+    # soft tokens never merges or splits (registries/multimodal/gemma3.py writes them).
+    chat_tokens=("<eos>", *_GEMMA_MARKERS, "<start_of_image>", "<image_soft_token>", "<end_of_image>"),
+    vision=True,
+    notes="Gemma 3 with images (Gemma3ForConditionalGeneration, model_type gemma3): a SigLIP vision tower whose "
+    "patch features are average-pooled to mm_tokens_per_image and projected into a Gemma 3 decoder; every "
+    "image is resized to one square, so it arrives as the same framed run of <image_soft_token>. lora_target "
+    "names like q_proj also match SigLIP's attention: the vision-freeze options keep LoRA off it.",
 )

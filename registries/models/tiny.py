@@ -117,6 +117,11 @@ def _build_tiny_vision_model(spec, out_dir, tokenizer, *, hidden_size, num_layer
         return _build_tiny_llava(spec, out_dir, tokenizer, hidden_size=hidden_size, num_layers=num_layers,
                                  num_heads=num_heads, num_kv_heads=num_kv_heads, intermediate_size=intermediate_size,
                                  max_position_embeddings=max_position_embeddings, seed=seed)
+    if spec.name == "gemma3_vl":  # a fixed-size square per image, pooled: its own builder
+        return _build_tiny_gemma3_vl(spec, out_dir, tokenizer, hidden_size=hidden_size, num_layers=num_layers,
+                                     num_heads=num_heads, num_kv_heads=num_kv_heads,
+                                     intermediate_size=intermediate_size,
+                                     max_position_embeddings=max_position_embeddings, seed=seed)
     import torch
     import transformers
 
@@ -205,6 +210,58 @@ def _build_tiny_llava(spec, out_dir, tokenizer, *, hidden_size, num_layers, num_
     size = TINY_LLAVA_IMAGE_SIZE
     transformers.CLIPImageProcessorPil(
         size={"shortest_edge": size}, crop_size={"height": size, "width": size}
+    ).save_pretrained(out)
+    return out
+
+
+# The tiny Gemma 3's square: 56 pixels in 14-pixel SigLIP patches is 4x4 patches, average-pooled 2x2
+# to TINY_GEMMA3_TOKENS_PER_IMAGE soft tokens per image, instead of Gemma 3's 896 pixels and 256 tokens.
+TINY_GEMMA3_IMAGE_SIZE, TINY_GEMMA3_TOKENS_PER_IMAGE = 56, 4
+
+
+def _build_tiny_gemma3_vl(spec, out_dir, tokenizer, *, hidden_size, num_layers, num_heads, num_kv_heads,
+                          intermediate_size, max_position_embeddings, seed) -> Path:
+    """A random-init Gemma 3 with images (Gemma3ForConditionalGeneration): a tiny SigLIP vision tower,
+    Gemma 3's pooling projector and a tiny Gemma 3 language model of the given shape, with Gemma 3's
+    image processor resizing to TINY_GEMMA3_IMAGE_SIZE.
+
+    The processor carries image_seq_length = the config's mm_tokens_per_image, which is what the
+    gemma3 vision plugin (registries/multimodal/gemma3.py) writes per image, so the count of soft
+    tokens is exactly the number of features the forward scatters."""
+    import torch
+    import transformers
+
+    from registries.multimodal.gemma3 import BOI_TOKEN, EOI_TOKEN, IMAGE_TOKEN
+
+    vision_heads, head_dim = 2, hidden_size // num_heads
+    config = transformers.Gemma3Config(
+        text_config=_text_config(
+            tokenizer, hidden_size, intermediate_size, num_layers, num_heads, num_kv_heads, max_position_embeddings,
+            head_dim=head_dim, query_pre_attn_scalar=head_dim, sliding_window=64,
+        ),
+        vision_config=dict(
+            model_type="siglip_vision_model", hidden_size=vision_heads * 16, intermediate_size=vision_heads * 32,
+            num_hidden_layers=num_layers, num_attention_heads=vision_heads, image_size=TINY_GEMMA3_IMAGE_SIZE,
+            patch_size=14,
+        ),
+        mm_tokens_per_image=TINY_GEMMA3_TOKENS_PER_IMAGE,
+        boi_token_index=tokenizer.convert_tokens_to_ids(BOI_TOKEN),
+        eoi_token_index=tokenizer.convert_tokens_to_ids(EOI_TOKEN),
+        image_token_index=tokenizer.convert_tokens_to_ids(IMAGE_TOKEN),
+    )
+    with _INIT_LOCK, torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = getattr(transformers, spec.auto_class).from_config(config, dtype=torch.float32)
+        # transformers starts Gemma 3's projection at zero (a fine-tune start, not a model): images would
+        # reach the language model as zeros, so a random model gets a random projection instead.
+        projection = model.model.multi_modal_projector.mm_input_projection_weight
+        torch.nn.init.normal_(projection, std=config.initializer_range)
+    out = _save(model, tokenizer, out_dir)
+    # Gemma 3's genuine processor (resize to a square, mean/std 0.5) at the tiny size; the PIL backend
+    # by name, because torchvision is not installed.
+    size = TINY_GEMMA3_IMAGE_SIZE
+    transformers.Gemma3ImageProcessorPil(
+        size={"height": size, "width": size}, image_seq_length=TINY_GEMMA3_TOKENS_PER_IMAGE
     ).save_pretrained(out)
     return out
 

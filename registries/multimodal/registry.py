@@ -52,7 +52,7 @@ def vision_plugin_of(template) -> VisionPlugin:
     """The plugin a template names (``Template.mm_plugin``); a clear error for text-only templates."""
     name = getattr(template, "mm_plugin", None)
     if name is None:
-        with_plugin = "qwen2_vl, llava"
+        with_plugin = "qwen2_vl, llava, gemma3"
         raise UserError(
             f"Template {template.name!r} has no vision plugin, so it cannot read images. Use a vision template "
             f"(e.g. {with_plugin}) that matches the model."

@@ -113,13 +113,16 @@ class ChatModel:
             )[0]
         except ValueError as exc:  # the template's own checks: roles out of order, bad tool JSON
             raise ChatInputError(str(exc)) from None
-        if mm and "image_grid_thw" in mm:
-            # Qwen-VL's multimodal positions (M-RoPE) need to know which ids are image tokens;
-            # without this generate() quietly numbers them as text, unlike training's collator.
+        if mm:
+            # The forward reads which ids are image tokens (Qwen2-VL's multimodal positions, Gemma 3's
+            # bidirectional attention within an image); without it generate() quietly treats them as
+            # text, unlike training's collators, whose rule this is.
             import torch
 
+            from ..training.vision_collators import image_token_marks
+
             image_id = image_token_id(self.tokenizer, self.template)
-            mm = {**mm, "mm_token_type_ids": torch.tensor([[int(t == image_id) for t in ids]])}
+            mm = {**mm, **image_token_marks(self.engine.model, torch.tensor([ids]), image_id)}
         return ids, mm
 
     def _unescaped_template(self):

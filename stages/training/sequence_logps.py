@@ -31,7 +31,7 @@ from stages.training.chunked_loss import head_hands_back
 
 FORWARD_COLUMNS = ("input_ids", "attention_mask", "position_ids")
 # A vision-language model's images (stages/training/vision_collators.py), where the batch has them.
-IMAGE_COLUMNS = ("pixel_values", "image_grid_thw", "mm_token_type_ids")
+IMAGE_COLUMNS = ("pixel_values", "image_grid_thw", "mm_token_type_ids", "token_type_ids")
 # chunked_loss_tokens null: chunks of ~64 MiB of fp32 logits (341 tokens of a 49k vocabulary), a
 # quarter of sft's. A preference step holds a chunk's logits, their log-softmax and, in the
 # backward, their gradient: on SmolLM2 LoRA dpo (benchmarks/README.md) the worker's peak fell by

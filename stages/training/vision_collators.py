@@ -12,7 +12,11 @@ A batch whose rows have no image gets neither image tensor (the model then reads
 
 LLaVA-1.5 (``FixedSizeVisionCollator``): the processor crops every image to one square, so there is
 no grid and no mm_token_type_ids; pixel_values is (number of images, 3, size, size), in row order,
-with size the vision tower's ``image_size``.
+with size the vision tower's ``image_size``. Gemma 3 crops the same way and also reads
+
+    token_type_ids (B, L)    1 on image (soft) tokens, 0 elsewhere (LLaMA-Factory's _get_gemma3_token_type_ids)
+
+from which its forward lets each image's tokens attend to one another both ways.
 
 dpo's pairs (``VisionPairwiseCollator``): a pair's row carries its images once; the batch is all
 chosen sequences, then all rejected (preference_collators.PairwiseCollator), so the images are the
@@ -110,7 +114,8 @@ def vision_collator(text, data_args, model) -> VisionCollator:
     image_token_id = _padded_rows_image_token(data_args, model)
     size = fixed_image_size(model)
     if size is not None:
-        return FixedSizeVisionCollator(collate_text=text.collate_columns, image_size=size)
+        return FixedSizeVisionCollator(collate_text=text.collate_columns, image_size=size,
+                                       token_type_image_id=_token_type_image_id(model, image_token_id))
     return VisionCollator(text=text, image_token_id=image_token_id)
 
 
@@ -120,13 +125,35 @@ def vision_pairwise_collator(pairs, data_args, model) -> VisionPairwiseCollator:
     image_token_id = _padded_rows_image_token(data_args, model)
     size = fixed_image_size(model)
     if size is not None:
-        return FixedSizeVisionCollator(collate_text=pairs, image_size=size, pairs=True)
+        return FixedSizeVisionCollator(collate_text=pairs, image_size=size, pairs=True,
+                                       token_type_image_id=_token_type_image_id(model, image_token_id))
     return VisionPairwiseCollator(pairs=pairs, image_token_id=image_token_id)
 
 
-# Families whose processor crops every image to the vision tower's square (LLaVA-1.5's CLIP):
-# their rows carry pixel values without a grid.
-FIXED_SIZE_IMAGE_MODEL_TYPES = ("llava",)
+# Families whose processor crops every image to the vision tower's square (LLaVA-1.5's CLIP, Gemma 3's
+# SigLIP): their rows carry pixel values without a grid.
+FIXED_SIZE_IMAGE_MODEL_TYPES = ("llava", "gemma3")
+# Families whose forward reads token_type_ids marking the image tokens (Gemma 3's bidirectional
+# attention within each image).
+TOKEN_TYPE_IDS_MODEL_TYPES = ("gemma3",)
+
+
+def _token_type_image_id(model, image_token_id: int) -> int | None:
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    model_type = getattr(getattr(base, "config", None), "model_type", None)
+    return image_token_id if model_type in TOKEN_TYPE_IDS_MODEL_TYPES else None
+
+
+def image_token_marks(model, input_ids: torch.Tensor, image_token_id: int) -> dict[str, torch.Tensor]:
+    """The tensor marking image tokens that ``model``'s forward reads, as the collators above build
+    it, for a caller that builds its own inputs (chat, serve, predict): ``token_type_ids`` (Gemma 3),
+    ``mm_token_type_ids`` (the grid families: Qwen2-VL), nothing (LLaVA-1.5)."""
+    marks = (input_ids == image_token_id).long()
+    if _token_type_image_id(model, image_token_id) is not None:
+        return {"token_type_ids": marks}
+    if fixed_image_size(model) is None:
+        return {"mm_token_type_ids": marks}
+    return {}
 
 
 def fixed_image_size(model) -> int | None:
@@ -140,13 +167,14 @@ def fixed_image_size(model) -> int | None:
 
 @dataclass
 class FixedSizeVisionCollator:
-    """LLaVA-1.5's batches: the text columns padded by ``collate_text`` (a right-padding collator's
+    """LLaVA-1.5's and Gemma 3's batches: the text columns padded by ``collate_text`` (a right-padding collator's
     collate_columns, or a PairwiseCollator with ``pairs``), and every row's crops stacked as
     pixel_values (number of images, 3, size, size); a pair's images count for both of its halves."""
 
     collate_text: Any
     image_size: int
     pairs: bool = False
+    token_type_image_id: int | None = None  # set: token_type_ids marks this id (Gemma 3)
 
     def __call__(self, features) -> dict[str, torch.Tensor]:
         columns = _columns(features)
@@ -156,6 +184,8 @@ class FixedSizeVisionCollator:
         joined = join_fixed_size_images(pixels + pixels if self.pairs else pixels, self.image_size)
         if joined is not None:
             batch[PIXEL_VALUES] = joined
+        if self.token_type_image_id is not None:
+            batch["token_type_ids"] = (batch["input_ids"] == self.token_type_image_id).long()
         return batch
 
 

@@ -44,6 +44,7 @@ COMPOSITE_MODELS: dict[str, CompositeModel] = {
     "qwen2_5_vl": _QWEN2_VL,
     "llava": CompositeModel(),
     "llava_next": CompositeModel(),
+    "gemma3": CompositeModel(),  # LLaMA-Factory registers gemma3 with the default fragments too
 }
 
 

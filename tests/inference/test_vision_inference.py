@@ -319,3 +319,31 @@ def test_predict_answers_image_rows_as_chat_model_does(ray_session, vl_chat, tmp
         assert line["predict"] == expected
         assert line["prompt"].count("<|image_pad|>") == 4 and "<image>" not in line["prompt"]
     assert os.path.isfile(out / "predict_results.json")
+
+
+def test_gemma3_generates_with_the_image_token_types_training_uses():
+    """Gemma 3 lets an image's soft tokens attend to each other both ways when ``token_type_ids``
+    marks them (its training collator does); ChatModel passes them, so the first token's log-prob
+    is the forward's with them, not the causal one without."""
+    import torch
+
+    from cluster.api import ChatModel
+
+    chat = ChatModel({"model_name_or_path": "tiny:gemma3_vl", "template": "gemma3", "do_sample": False,
+                      "max_new_tokens": 1})
+    try:
+        messages = [{"role": "user", "content": "<image>" + QUESTION}]
+        ids, mm = chat.encode_prompt(messages, images=[_png("shapes_eval_000.png")])
+        soft = chat.tokenizer.convert_tokens_to_ids("<image_soft_token>")
+        assert mm["token_type_ids"].tolist() == [[int(t == soft) for t in ids]] and ids.count(soft) > 1
+        assert "mm_token_type_ids" not in mm
+        reply = chat.chat(messages, images=[_png("shapes_eval_000.png")], logprobs=0)[0]
+        model, inputs = chat.engine.model, torch.tensor([ids])
+        with torch.no_grad():
+            marked = model(input_ids=inputs, **mm).logits[0, -1].float().log_softmax(-1)
+            causal = model(input_ids=inputs, pixel_values=mm["pixel_values"]).logits[0, -1].float().log_softmax(-1)
+        token = reply.token_ids[0]
+        assert reply.logprobs[0].logprob == pytest.approx(float(marked[token]), abs=1e-5)
+        assert abs(float(causal[token]) - float(marked[token])) > 1e-6
+    finally:
+        chat.close()

@@ -40,8 +40,10 @@ def tiny_dirs(tmp_path_factory) -> dict:
 
 
 def test_expected_families_are_registered():
-    assert FAMILIES == ["gemma", "gemma2", "gemma3", "llama", "llava", "mistral", "phi3", "qwen2", "qwen2_vl", "qwen3"]
-    assert [name for name in FAMILIES if get_model_family(name).vision] == ["llava", "qwen2_vl"]
+    assert FAMILIES == [
+        "gemma", "gemma2", "gemma3", "gemma3_vl", "llama", "llava", "mistral", "phi3", "qwen2", "qwen2_vl", "qwen3",
+    ]
+    assert [name for name in FAMILIES if get_model_family(name).vision] == ["gemma3_vl", "llava", "qwen2_vl"]
 
 
 def test_default_templates_follow_llamafactory_names():
@@ -56,7 +58,8 @@ def test_default_templates_follow_llamafactory_names():
 def test_family_for_config_accepts_configs_dicts_and_strings():
     assert family_for_config(transformers.Qwen2Config()).name == "qwen2"
     assert family_for_config(transformers.Gemma3TextConfig()).name == "gemma3"
-    assert family_for_config({"model_type": "gemma3"}).name == "gemma3"
+    # model_type gemma3 is the multimodal wrapper (Gemma3ForConditionalGeneration), gemma3_text the text model
+    assert family_for_config({"model_type": "gemma3"}).name == "gemma3_vl"
     assert family_for_config("llama").name == "llama"
 
 

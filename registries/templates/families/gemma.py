@@ -50,6 +50,8 @@ register_template(
     "gemma3",
     stop_words=["<end_of_turn>"],
     replace_eos=True,
+    # LLaMA-Factory's gemma3 template names the gemma3 vision plugin: text rows never consult it.
+    mm_plugin="gemma3",
     notes="Token-identical to Gemma-3's own template, system prompt included. " + _TRIM_NOTE,
     **_GEMMA,
 )
