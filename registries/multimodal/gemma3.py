@@ -13,7 +13,7 @@ from __future__ import annotations
 import copy
 from typing import Any
 
-from .images import DEFAULT_MAX_PIXELS, DEFAULT_MIN_PIXELS, regularize_image
+from .images import DEFAULT_MAX_PIXELS, DEFAULT_MIN_PIXELS, processor_inputs, regularize_image
 from .registry import IMAGE_PLACEHOLDER, VisionPlugin, check_image_count, register_vision_plugin
 
 BOI_TOKEN, IMAGE_TOKEN, EOI_TOKEN = "<start_of_image>", "<image_soft_token>", "<end_of_image>"
@@ -24,10 +24,7 @@ def inputs(
     images: list, image_processor, max_pixels: int = DEFAULT_MAX_PIXELS, min_pixels: int = DEFAULT_MIN_PIXELS
 ) -> dict[str, Any]:
     """pixel_values (num_images, 3, size, size)."""
-    if not images:
-        return {}
-    prepared = [regularize_image(im, max_pixels, min_pixels) for im in images]
-    mm = dict(image_processor(prepared, return_tensors="pt"))
+    mm = processor_inputs(images, image_processor, lambda image: regularize_image(image, max_pixels, min_pixels))
     mm.pop("num_crops", None)  # pan-and-scan bookkeeping; LLaMA-Factory drops it too
     return mm
 

@@ -33,6 +33,14 @@ def regularize_image(image, max_pixels: int = DEFAULT_MAX_PIXELS, min_pixels: in
     return image
 
 
+def processor_inputs(images: list, image_processor, prepare) -> dict:
+    """The image processor's tensors for ``images``, each first put through ``prepare`` (the
+    family's resize rule); {} for no images."""
+    if not images:
+        return {}
+    return dict(image_processor([prepare(image) for image in images], return_tensors="pt"))
+
+
 def load_image_processor(model_path: str):
     """The image processor a model folder (or hub id) ships, or None for a text-only model.
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 import copy
 from typing import Any
 
-from .images import DEFAULT_MAX_PIXELS, DEFAULT_MIN_PIXELS, regularize_image
+from .images import DEFAULT_MAX_PIXELS, DEFAULT_MIN_PIXELS, processor_inputs, regularize_image
 from .registry import IMAGE_PLACEHOLDER, VisionPlugin, check_image_count, register_vision_plugin
 
 IMAGE_TOKEN = "<image>"
@@ -22,10 +22,7 @@ def inputs(
     images: list, image_processor, max_pixels: int = DEFAULT_MAX_PIXELS, min_pixels: int = DEFAULT_MIN_PIXELS
 ) -> dict[str, Any]:
     """pixel_values (num_images, 3, crop, crop)."""
-    if not images:
-        return {}
-    prepared = [regularize_image(im, max_pixels, min_pixels) for im in images]
-    return dict(image_processor(prepared, return_tensors="pt"))
+    return processor_inputs(images, image_processor, lambda image: regularize_image(image, max_pixels, min_pixels))
 
 
 def image_seqlen(

@@ -7,7 +7,7 @@ from __future__ import annotations
 import copy
 from typing import Any
 
-from .images import DEFAULT_MAX_PIXELS, DEFAULT_MIN_PIXELS, regularize_image
+from .images import DEFAULT_MAX_PIXELS, DEFAULT_MIN_PIXELS, processor_inputs, regularize_image
 from .registry import IMAGE_PLACEHOLDER, VisionPlugin, check_image_count, register_vision_plugin
 
 VISION_START, VISION_END, IMAGE_PAD = "<|vision_start|>", "<|vision_end|>", "<|image_pad|>"
@@ -31,10 +31,7 @@ def inputs(
     images: list, image_processor, max_pixels: int = DEFAULT_MAX_PIXELS, min_pixels: int = DEFAULT_MIN_PIXELS
 ) -> dict[str, Any]:
     """pixel_values (patches of all images, concatenated) and image_grid_thw (one row per image)."""
-    if not images:
-        return {}
-    prepared = [preprocess(im, max_pixels, min_pixels) for im in images]
-    return dict(image_processor(prepared, return_tensors="pt"))
+    return processor_inputs(images, image_processor, lambda image: preprocess(image, max_pixels, min_pixels))
 
 
 def image_token_counts(mm_inputs: dict[str, Any], image_processor) -> list[int]:
