@@ -157,7 +157,7 @@ class _Predictor:
         prompts: list[str] = [""] * len(rows)
         for (system, tools, own), indices in groups.items():
             conversations = [rows[i]["_prompt"] for i in indices]
-            images = [str(path) for path in rows[own]["_images"]] if own is not None else None
+            images = _row_images(rows[own]) if own is not None else None
             try:
                 if images:
                     answers = [self.chat.chat(conversations[0], system, tools, images=images)]
@@ -174,10 +174,15 @@ class _Predictor:
 
     def _too_long(self, rows, indices, system, tools, exc) -> DataConfigError:
         limit = exc.max_model_len
-        images = lambda i: [str(p) for p in rows[i]["_images"]] if rows[i].get("_images") else None  # noqa: E731
-        longest = max(indices, key=lambda i: len(self.chat.prompt_ids(rows[i]["_prompt"], system, tools, images(i))))
+        longest = max(indices, key=lambda i: len(self.chat.prompt_ids(rows[i]["_prompt"], system, tools,
+                                                                      _row_images(rows[i]))))
         row = rows[longest]
         return DataConfigError(
             f"eval row {row['_source_row']} of {row['_source_file']} is too long to predict: {exc} Raise "
             f"vllm_maxlen (now {limit} tokens, the context window prediction runs with), or shorten the row."
         )
+
+
+def _row_images(row: dict):
+    """An eval row's image paths (None for a text row), as ChatModel takes them."""
+    return [str(path) for path in row["_images"]] if row.get("_images") else None

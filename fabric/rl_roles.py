@@ -105,23 +105,20 @@ class RayRoles(PPORoles):
         return self.push_weights().result()
 
     def push_weights(self) -> RayPending:
-        """Rank 0 exports the weights (in the object store, never through the driver) and every
-        engine loads them, each as its next call. A transport that cannot be left running (NCCL: a
-        collective the sender joins) completes here, before returning."""
+        """Rank 0 exports the weights (the object store's blob, or the collective push's plan with
+        its buckets broadcast behind it; never through the driver) and every engine loads them, each
+        as its next call; neither transport is waited for here."""
         if self.engines is None:  # HF generate samples from the trained weights themselves
             return RayPending([], lambda _: {})
         if isinstance(self.weight_sync, CollectiveSync):
-            export = PolicyActor.send_weights  # the buckets' plan; the buckets follow over the weight group
-        elif getattr(self.weight_sync, "payload", "full") == "adapter":
+            export = PolicyActor.send_weights
+        elif self.weight_sync.payload == "adapter":
             export = PolicyActor.export_adapter
         else:
             export = PolicyActor.export_weights
         blob = self.policy.call_rank0_async(export)  # stays in the object store
-        start = getattr(self.weight_sync, "start", None)
-        if start is None:
-            stats = self.weight_sync.push(blob, self.engines.actors)
-            return RayPending([], lambda _: {"time/sync_load": stats.load_seconds})
-        return RayPending(start(blob, self.engines.actors), lambda loads: {"time/sync_load": max(loads, default=0.0)})
+        loads = self.weight_sync.start(blob, self.engines.actors)
+        return RayPending(loads, lambda seconds: {"time/sync_load": max(seconds, default=0.0)})
 
     def critic_values(self, samples: list[RolloutSample]) -> list[list[float]]:
         return concat(self.critic.scatter(CriticActor.values, split_evenly(samples, self.critic.size)))

@@ -37,8 +37,9 @@ class SyncStats:
 
 
 class WeightSync(Protocol):
-    def push(self, weights: Weights, engines: Sequence) -> SyncStats:
-        """Make every engine (a ``VLLMEngine`` actor handle) serve ``weights``; return when all do."""
+    def start(self, exported: "ray.ObjectRef", engines: Sequence) -> list:
+        """Have every engine (a ``VLLMEngine`` actor handle) load what the policy's rank 0 exported
+        (``exported``, an ObjectRef) as its next call; ObjectRefs of each engine's load seconds."""
 
 
 class ObjectStoreSync:
@@ -149,8 +150,6 @@ class CollectiveSync:
     device only. A DeepSpeed ZeRO-3 policy (not offered for the RL roles yet) would need its
     parameters gathered before packing.
     """
-
-    payload = "full"
 
     def __init__(self, backend: str):
         from stages.engines.weight_group import BACKENDS

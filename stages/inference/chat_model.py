@@ -22,10 +22,11 @@ from typing import Any, AsyncIterator, Iterator, Optional
 
 from registries.errors import UserError
 from registries.templates.tools import FunctionCall
+from registries.tokenize.vision import image_token_id
 
 from ..engines.types import Engine, GenerationRequest, SamplingSpec
 from .loading import InferenceSpec, load_hf_model, load_tokenizer_and_template
-from .vision_inputs import expand_images, image_token_id
+from .vision_inputs import expand_images
 
 # LLaMA-Factory's per-call generation keys, plus the OpenAI-style ones a server passes.
 _END = object()  # the last item of a sync stream

@@ -17,7 +17,6 @@ from typing import Any, Sequence
 
 from registries.errors import UserError
 from registries.templates.slots import CallerText, join_text
-from registries.tokenize.vision import image_token_id  # noqa: F401 (ChatModel's: the id training marks)
 
 # Roles whose text the template escapes (registries/templates/template.py PROMPT_ROLES).
 _CALLER_ROLES = ("user", "observation")
