@@ -15,9 +15,21 @@ from ray.exceptions import UserCodeException
 from registries.datasets.data_args import DataArguments
 from registries.datasets.errors import DataConfigError, DatasetRowError
 from registries.datasets.stage_fields import DATASET_NEEDS
+from registries.tokenize.vision import image_columns
 from stages.table import StageSpec
 
 BATCH_SIZE = 512  # rows per tokenize call; also the window sft packing and pt blocks fill sequences from
+
+
+def tokenized_block(columns: dict[str, list]):
+    """A tokenize function's output as the block both engines store: with images, a pyarrow Table
+    whose image columns have fixed types (registries/tokenize/vision.py image_columns), so blocks
+    unify and the patches are never Python floats; without, the columns as they are (Ray Data
+    builds the block, the driver calls pa.table, as for any text stage)."""
+    import pyarrow as pa
+
+    typed = image_columns(columns)
+    return columns if typed is columns else pa.table(typed)
 
 
 def split_sources(data_args: DataArguments) -> tuple[str, str]:

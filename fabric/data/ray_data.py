@@ -26,7 +26,7 @@ from registries.datasets.readers import read_table
 from registries.datasets.stage_fields import check_stage_fields
 from stages.table import StageSpec
 
-from .common import BATCH_SIZE, materialized, nothing_left, split_sources, user_code
+from .common import BATCH_SIZE, materialized, nothing_left, split_sources, tokenized_block, user_code
 
 logger = logging.getLogger(__name__)
 
@@ -152,6 +152,6 @@ def _bad_rows_block(table, attr):
 
 @user_code
 def _tokenize_block(table, preprocess):
-    return preprocess(table.to_pydict())
+    return tokenized_block(preprocess(table.to_pydict()))
 
 

@@ -23,7 +23,7 @@ from registries.datasets.errors import DataConfigError
 from registries.datasets.loading import load_aligned
 from stages.table import StageSpec
 
-from .common import BATCH_SIZE, nothing_left, split_sources
+from .common import BATCH_SIZE, nothing_left, split_sources, tokenized_block
 
 
 def tokenized_in_driver(data_args: DataArguments, stage: StageSpec, seed: int, tokenizer,
@@ -44,7 +44,8 @@ def _tokenized_split(rows: list[dict], preprocess, stage: StageSpec, split: str,
     import pyarrow as pa
 
     windows = (rows[start : start + BATCH_SIZE] for start in range(0, len(rows), BATCH_SIZE))
-    tables = [pa.table(preprocess({key: [row[key] for row in window] for key in window[0]})) for window in windows]
+    tables = [pa.table(tokenized_block(preprocess({key: [row[key] for row in window] for key in window[0]})))
+              for window in windows]
     tables = [table for table in tables if table.num_rows]
     if not tables:
         raise DataConfigError(nothing_left(split, where, rows[:BATCH_SIZE], len(rows), preprocess, stage))

@@ -5,6 +5,11 @@ held-out sets (sharegpt, LLaMA-Factory's multimodal layout: a ``messages`` list 
 ``<image>`` placeholder and an ``images`` list of paths relative to dataset_dir) and merges
 their entries into ``dataset_info.json``.
 
+``python -m registries.synthetic.shapes --out DIR --count N`` writes instead one large set,
+``shapes_many`` (``write_many``): N pictures drawn at several sizes (MANY_SIZES, 32 to 512 pixels a
+side), so image_max_pixels / image_min_pixels really resize some of them down and some up; for
+preprocessing at scale (benchmarks/vision_data.py), not for the demo's data/.
+
 The preference sets ``shapes_pref`` and ``shapes_pref_eval`` (LLaMA-Factory's sharegpt ranking
 layout with ``images``: ``messages``, a ``chosen`` and a ``rejected`` answer) ask the same questions
 about the same pictures as ``shapes_train`` and ``shapes_eval``, the right answer chosen and a
@@ -34,6 +39,8 @@ IMAGE_DIR = "shapes"
 TAGS = {"role_tag": "role", "content_tag": "content", "user_tag": "user", "assistant_tag": "assistant"}
 SPLITS = {"shapes_train": 8, "shapes_eval": 2}  # pictures per (colour, shape) pair
 PREF_SPLITS = {"shapes_pref": "shapes_train", "shapes_pref_eval": "shapes_eval"}  # the pictures they ask about
+MANY = "shapes_many"  # write_many's dataset name
+MANY_SIZES = (32, 48, 64, 128, 256, 512)  # pixels per side of write_many's pictures, one drawn per picture
 
 
 @dataclass(frozen=True)
@@ -42,26 +49,33 @@ class Picture:
     colour: str
     shape: str
     box: tuple[int, int, int, int]  # left, top, right, bottom
+    size: int = SIZE  # pixels per side of the (square) picture
 
 
-def plan(split: str, per_pair: int, seed: int = SEED) -> list[Picture]:
-    """The pictures of one split; a str seed per split keeps splits independent and stable."""
+def plan(split: str, per_pair: int, seed: int = SEED, sizes: tuple[int, ...] = (SIZE,)) -> list[Picture]:
+    """The pictures of one split; a str seed per split keeps splits independent and stable.
+
+    With several ``sizes`` each picture draws its own from the same stream; with one, nothing is
+    drawn for it, so the demo splits' streams (and pictures) stay what they always were."""
     rng = random.Random(f"{seed}:{split}")
     pictures = []
     for colour in COLOURS:
         for shape in SHAPES:
             for _ in range(per_pair):
-                side = rng.randint(20, 44)
-                left, top = rng.randint(2, SIZE - side - 2), rng.randint(2, SIZE - side - 2)
+                size = rng.choice(sizes) if len(sizes) > 1 else sizes[0]
+                # the shape's side and margin scale with the picture: 20..44 and 2 pixels at 64
+                side = rng.randint(size * 20 // SIZE, size * 44 // SIZE)
+                margin = max(1, size * 2 // SIZE)
+                left, top = rng.randint(margin, size - side - margin), rng.randint(margin, size - side - margin)
                 name = f"{IMAGE_DIR}/{split}_{len(pictures):03d}.png"
-                pictures.append(Picture(name, colour, shape, (left, top, left + side, top + side)))
+                pictures.append(Picture(name, colour, shape, (left, top, left + side, top + side), size))
     return pictures
 
 
 def draw(picture: Picture):
     from PIL import Image, ImageDraw
 
-    image = Image.new("RGB", (SIZE, SIZE), (255, 255, 255))
+    image = Image.new("RGB", (picture.size, picture.size), (255, 255, 255))
     pen, fill = ImageDraw.Draw(image), COLOURS[picture.colour]
     left, top, right, bottom = picture.box
     if picture.shape == "circle":
@@ -116,38 +130,71 @@ def entry(name: str) -> dict:
 
 def write(out_dir: str, seed: int = SEED) -> list[str]:
     """Write pictures, row files and dataset_info.json entries; returns the paths written."""
-    os.makedirs(os.path.join(out_dir, IMAGE_DIR), exist_ok=True)
     written = []
-    info_path = os.path.join(out_dir, "dataset_info.json")
-    info = json.load(open(info_path, encoding="utf-8")) if os.path.isfile(info_path) else {}
     for name, per_pair in SPLITS.items():
-        pictures = plan(name, per_pair, seed)
-        for p in pictures:
-            path = os.path.join(out_dir, p.file_name)
-            draw(p).save(path)
-            written.append(path)
-        path = os.path.join(out_dir, f"{name}.json")
-        with open(path, "w", encoding="utf-8") as f:
-            f.write(json.dumps(rows(pictures), indent=1) + "\n")
-        written.append(path)
-        info[name] = entry(name)  # entries of other datasets are kept as they are
+        written += _write_split(out_dir, name, plan(name, per_pair, seed))
     for name, pictures_of in PREF_SPLITS.items():
         path = os.path.join(out_dir, f"{name}.json")
         with open(path, "w", encoding="utf-8") as f:
             f.write(json.dumps(pref_rows(plan(pictures_of, SPLITS[pictures_of], seed), name, seed), indent=1) + "\n")
         written.append(path)
-        info[name] = entry(name)
+        _add_entry(out_dir, name)
+    return written
+
+
+def many_pictures(count: int, seed: int = SEED, sizes: tuple[int, ...] = MANY_SIZES) -> list[Picture]:
+    """write_many's pictures: ``plan`` with enough per (colour, shape) pair, cut to ``count`` (for a
+    count not a multiple of 12 the cut falls among the last pairs' pictures: they come short)."""
+    per_pair = -(-count // (len(COLOURS) * len(SHAPES)))
+    return plan(MANY, per_pair, seed, sizes)[:count]
+
+
+def write_many(out_dir: str, count: int, seed: int = SEED, sizes: tuple[int, ...] = MANY_SIZES) -> list[str]:
+    """Write ``count`` pictures of varied sizes as the sft set ``shapes_many`` (two rows per
+    picture, as ``rows``) into ``out_dir`` and its dataset_info.json; returns the paths written."""
+    return _write_split(out_dir, MANY, many_pictures(count, seed, sizes))
+
+
+def _write_split(out_dir: str, name: str, pictures: list[Picture]) -> list[str]:
+    """The pictures, the row file and the dataset_info.json entry of one sft set."""
+    os.makedirs(os.path.join(out_dir, IMAGE_DIR), exist_ok=True)
+    written = []
+    for p in pictures:
+        path = os.path.join(out_dir, p.file_name)
+        draw(p).save(path)
+        written.append(path)
+    path = os.path.join(out_dir, f"{name}.json")
+    with open(path, "w", encoding="utf-8") as f:
+        f.write(json.dumps(rows(pictures), indent=1) + "\n")
+    written.append(path)
+    _add_entry(out_dir, name)
+    return written
+
+
+def _add_entry(out_dir: str, name: str) -> None:
+    """Merge ``name``'s entry into dataset_info.json; entries of other datasets are kept as they are."""
+    info_path = os.path.join(out_dir, "dataset_info.json")
+    info = {}
+    if os.path.isfile(info_path):
+        with open(info_path, encoding="utf-8") as f:
+            info = json.load(f)
+    info[name] = entry(name)
     with open(info_path, "w", encoding="utf-8") as f:
         f.write(json.dumps(info, indent=2, ensure_ascii=False) + "\n")
-    return written
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m registries.synthetic.shapes", description=__doc__)
     parser.add_argument("--out", default="data")
     parser.add_argument("--seed", type=int, default=SEED)
+    parser.add_argument("--count", type=int, default=None,
+                        help=f"write only {MANY}: this many pictures of sizes {', '.join(map(str, MANY_SIZES))} px")
     args = parser.parse_args(argv)
-    print(f"wrote {len(write(args.out, args.seed))} files to {args.out}")
+    if args.count is not None:
+        written = write_many(args.out, args.count, args.seed)
+    else:
+        written = write(args.out, args.seed)
+    print(f"wrote {len(written)} files to {args.out}")
     return 0
 
 

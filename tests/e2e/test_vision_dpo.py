@@ -1,10 +1,13 @@
 """Vision-language training options end to end on a real local Ray, the tiny random-init Qwen2-VL
-(``tiny:qwen2_vl``) on the shapes pictures: sft with LLaMA-Factory's default freeze_vision_tower
-leaves the vision tower bit-identical while the language model learns (and unfreezing it trains it),
-and dpo on image preference pairs (``shapes_pref``: the right answer against a wrong one) lowers its
-loss, the pair's images read by both of its sequences."""
+(``tiny:qwen2_vl``), LLaVA-1.5 (``tiny:llava``) and Gemma 3 (``tiny:gemma3_vl``) on the shapes
+pictures: sft with LLaMA-Factory's default freeze_vision_tower leaves the vision tower bit-identical
+while the language model learns (and unfreezing it trains it), and dpo on image preference pairs
+(``shapes_pref``: the right answer against a wrong one) lowers its loss, the pair's images read by
+both of its sequences, for each family."""
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import pytest
 import torch
@@ -16,8 +19,27 @@ from tests.e2e.conftest import tiny_sft_config
 
 pytestmark = pytest.mark.ray
 
-VISION = ("model.visual.patch_embed.", "model.visual.blocks.")
-PROJECTOR = ("model.visual.merger.",)
+
+@dataclass(frozen=True)
+class Family:
+    """A tiny vision-language model, its template, and its parts' weight-name prefixes."""
+
+    model: str
+    template: str
+    cutoff_len: int  # room for the prompt, the answer and the picture's image tokens
+    vision: tuple[str, ...]
+    projector: tuple[str, ...]
+
+
+QWEN2_VL = Family("tiny:qwen2_vl", "qwen2_vl", 64, ("model.visual.patch_embed.", "model.visual.blocks."),
+                  ("model.visual.merger.",))
+# LLaVA (a CLIP tower, 16 image tokens) and Gemma 3 (a SigLIP tower pooled to 4 soft tokens) share
+# transformers' layout: model.vision_tower / model.multi_modal_projector / model.language_model.
+LLAVA = Family("tiny:llava", "llava", 128, ("model.vision_tower.",), ("model.multi_modal_projector.",))
+GEMMA3 = Family("tiny:gemma3_vl", "gemma3", 128, ("model.vision_tower.",), ("model.multi_modal_projector.",))
+FAMILIES = [pytest.param(f, id=f.model.split(":")[1]) for f in (QWEN2_VL, LLAVA, GEMMA3)]
+# kept for the Qwen2-VL sft tests below
+VISION, PROJECTOR = QWEN2_VL.vision, QWEN2_VL.projector
 LANGUAGE = ("model.language_model.", "lm_head.")
 
 
@@ -35,14 +57,28 @@ def changed(before: dict, after: dict, prefixes) -> dict[str, bool]:
 
 
 @pytest.fixture(scope="module")
-def initial():
-    return weights(resolve_model_path("tiny:qwen2_vl"))
+def initial_of():
+    """The untrained weights of a tiny model, each loaded once per module."""
+    loaded: dict[str, dict[str, torch.Tensor]] = {}
+
+    def load(model: str) -> dict[str, torch.Tensor]:
+        if model not in loaded:
+            loaded[model] = weights(resolve_model_path(model))
+        return loaded[model]
+
+    return load
 
 
-def vision_config(output_dir, **overrides) -> dict:
+@pytest.fixture(scope="module")
+def initial(initial_of):
+    return initial_of("tiny:qwen2_vl")
+
+
+def vision_config(output_dir, family: Family = QWEN2_VL, **overrides) -> dict:
     config = tiny_sft_config(
-        output_dir, model_name_or_path="tiny:qwen2_vl", template="qwen2_vl", dataset="shapes_train",
-        max_samples=32, cutoff_len=64, per_device_train_batch_size=8, learning_rate=3.0e-3, max_steps=4,
+        output_dir, model_name_or_path=family.model, template=family.template, dataset="shapes_train",
+        max_samples=32, cutoff_len=family.cutoff_len, per_device_train_batch_size=8, learning_rate=3.0e-3,
+        max_steps=4,
     )
     config.update(overrides)
     return config
@@ -69,14 +105,16 @@ def test_lora_sft_adapts_the_language_model_only(ray_session, tmp_path):
     assert len(keys) == 2 * 7 * 2  # layers x (q, k, v, o, gate, up, down) x (lora_A, lora_B)
 
 
-def test_dpo_on_image_pairs_lowers_its_loss(ray_session, tmp_path, initial):
+@pytest.mark.parametrize("family", FAMILIES)
+def test_dpo_on_image_pairs_lowers_its_loss(ray_session, tmp_path, initial_of, family):
     # Full dpo (the reference: a second copy of the start), the vision tower frozen (the default).
     # A pipeline test: the first 64 pairs are mostly about red shapes, an answer prior the random-init
-    # model picks up within a few steps (measured: the loss from 0.693 to ~0.45 by step 5, flat after,
-    # 0.75 of the pairs' rewards ordered right); that it reads each pair's images for both of its
-    # sequences is tests/stages/test_vision_pairwise.py's.
+    # model picks up within a few steps (measured on Qwen2-VL: the loss from 0.693 to ~0.45 by step 5,
+    # flat after, 0.75 of the pairs' rewards ordered right; LLaVA and Gemma 3: the last 12 steps' mean
+    # loss 0.43 and 0.39, accuracy 0.78 and 0.76, seed 42); that it reads each pair's images for both
+    # of its sequences is tests/stages/test_vision_pairwise.py's.
     config = vision_config(
-        tmp_path / "dpo", stage="dpo", dataset="shapes_pref", max_samples=64, per_device_train_batch_size=16,
+        tmp_path / "dpo", family, stage="dpo", dataset="shapes_pref", max_samples=64, per_device_train_batch_size=16,
         learning_rate=1.0e-3, max_steps=24, pref_beta=1.0,
     )
     result = run_exp(config)
@@ -88,15 +126,25 @@ def test_dpo_on_image_pairs_lowers_its_loss(ray_session, tmp_path, initial):
     assert sum(r["loss"] for r in late) / len(late) < 0.8 * losses[0], losses
     assert sum(r["rewards/accuracies"] for r in late) / len(late) > 0.6, late
     assert result.data_stats == {"train_examples": 64, "eval_examples": 0}
-    assert not any(changed(initial, weights(result.output_dir), VISION).values())
+    before, after = initial_of(family.model), weights(result.output_dir)
+    assert not any(changed(before, after, family.vision).values())
+    assert not any(changed(before, after, family.projector).values())  # freeze_multi_modal_projector: true
+    assert all(changed(before, after, ("model.language_model.layers.",)).values())
 
 
-def test_lora_dpo_with_reference_log_probs_computed_before_training(ray_session, tmp_path):
+@pytest.mark.parametrize("family", FAMILIES)
+def test_lora_dpo_with_reference_log_probs_computed_before_training(ray_session, tmp_path, family):
+    from safetensors.torch import load_file
+
     # The reference is the base (the adapter off), scored once over the pairs, images included: at step 1
     # the policy equals it, so the loss is exactly -log sigmoid(0) only if both read the same pictures.
-    config = vision_config(tmp_path / "lora_dpo", stage="dpo", dataset="shapes_pref", max_samples=16,
+    config = vision_config(tmp_path / "lora_dpo", family, stage="dpo", dataset="shapes_pref", max_samples=16,
                            per_device_train_batch_size=8, finetuning_type="lora", max_steps=2,
                            precompute_ref_log_probs=True)
-    records = [r for r in read_log(run_exp(config).output_dir) if "loss" in r]
+    out = run_exp(config).output_dir
+    records = [r for r in read_log(out) if "loss" in r]
     assert len(records) == 2 and abs(records[0]["loss"] - 0.693147) < 1e-4, records
     assert (records[0]["rewards/chosen"], records[0]["rewards/rejected"]) == (0.0, 0.0)
+    # lora_target all: the language model's 7 projections in both layers, none in the vision tower
+    keys = list(load_file(f"{out}/adapter_model.safetensors"))
+    assert len(keys) == 2 * 7 * 2 and all(".language_model.layers." in key for key in keys), keys

@@ -179,3 +179,17 @@ def test_pause_holds_new_requests_until_resume(chats):
     paused, held, tokens = vllm_chat._run(paused_then_resumed(max(1.0, 20 * control)))
     assert paused and held, f"the first token came while paused (an unpaused one takes {control:.3f} s)"
     assert tokens == vllm_chat.chat(PROMPTS[0])[0].token_ids
+
+
+def test_images_are_refused_with_the_fix(chats):
+    """Images reach the model through the transformers engine only; vLLM says so, naming the setting
+    that changes it, before anything is encoded or generated."""
+    from pathlib import Path
+
+    from stages.inference.chat_model import ChatInputError
+
+    vllm_chat, _, _, _ = chats
+    picture = Path(__file__).resolve().parents[2] / "data" / "shapes" / "shapes_eval_000.png"
+    with pytest.raises(ChatInputError, match="infer_backend: huggingface"):
+        vllm_chat.chat([{"role": "user", "content": "<image>What colour is the shape?"}], images=[str(picture)])
+    assert vllm_chat.chat(PROMPTS[0])[0].token_ids  # the engine goes on answering

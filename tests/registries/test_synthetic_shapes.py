@@ -55,3 +55,42 @@ def test_committed_demo_set_matches_the_generator():
         assert json.loads((DATA / f"{name}.json").read_text()) == shapes.rows(pictures)
         for p in pictures:
             assert list(load_image(str(DATA / p.file_name)).tobytes()) == list(shapes.draw(p).tobytes())
+
+
+def test_write_many_draws_pictures_at_varied_sizes(tmp_path):
+    (tmp_path / "dataset_info.json").write_text(json.dumps({"other": {"file_name": "o.json"}}))
+    written = shapes.write_many(str(tmp_path), 30, sizes=(32, 128, 512))
+    assert len(written) == 30 + 1  # the pictures and the row file
+    info = json.loads((tmp_path / "dataset_info.json").read_text())
+    assert info == {"other": {"file_name": "o.json"}, "shapes_many": shapes.entry("shapes_many")}
+    pictures = shapes.many_pictures(30, sizes=(32, 128, 512))
+    assert [p.file_name for p in pictures] == [f"shapes/shapes_many_{i:03d}.png" for i in range(30)]
+    assert {p.size for p in pictures} == {32, 128, 512}
+    # 3 per (colour, shape) pair planned, cut to 30: yellow squares and triangles are cut off
+    assert [(p.colour, p.shape) for p in pictures[-4:]] == [("blue", "triangle")] + [("yellow", "circle")] * 3
+    for p in pictures:
+        image = load_image(str(tmp_path / p.file_name))
+        assert image.size == (p.size, p.size)
+        left, top, right, bottom = p.box
+        assert 0 < left < right < p.size and 0 < top < bottom < p.size
+        assert image.getpixel(((left + right) // 2, top + 2 * (bottom - top) // 3)) == shapes.COLOURS[p.colour]
+    [attr] = get_dataset_attrs(["shapes_many"], str(tmp_path))
+    examples = align_rows(read_rows(attr), attr).examples
+    assert len(examples) == 60
+    assert examples[59]["_images"] == [str(tmp_path / "shapes/shapes_many_029.png")]
+    assert examples[59]["_response"] == [{"role": "assistant", "content": "circle"}]
+
+
+def test_many_pictures_are_seeded_and_leave_the_demo_splits_alone():
+    assert shapes.many_pictures(50) == shapes.many_pictures(50)
+    assert shapes.many_pictures(50) != shapes.many_pictures(50, seed=1)
+    assert set(p.size for p in shapes.many_pictures(200)) == set(shapes.MANY_SIZES)
+    # one size draws nothing from the stream: the demo split is the 64-pixel one it always was
+    assert shapes.plan("shapes_eval", 2) == shapes.plan("shapes_eval", 2, sizes=(shapes.SIZE,))
+    assert {p.size for p in shapes.plan("shapes_eval", 2)} == {64}
+
+
+def test_count_option_writes_only_the_large_set(tmp_path, capsys):
+    assert shapes.main(["--out", str(tmp_path), "--count", "12"]) == 0
+    assert "wrote 13 files" in capsys.readouterr().out
+    assert list(json.loads((tmp_path / "dataset_info.json").read_text())) == ["shapes_many"]
