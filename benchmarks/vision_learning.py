@@ -30,6 +30,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # harness, also 
 
 from harness import REPO_ROOT, bench_main  # noqa: E402 (harness puts the repo root on the path)
 
+from registries.multimodal.registry import IMAGE_PLACEHOLDER  # noqa: E402
 from registries.synthetic.shapes import COLOURS, IMAGE_DIR, draw, entry, plan, rows  # noqa: E402
 
 SEEDS = (42, 1, 2)
@@ -42,12 +43,11 @@ COLUMNS = [
     ("untrained acc", "before", "{:.3f}"), ("trained acc", "after", "{:.3f}"),
     ("colour acc", "colour", "{:.3f}"), ("shape acc", "shape", "{:.3f}"), ("final loss", "loss", "{:.3f}"),
 ]
-CHANCE = {"colour": 1 / 4, "shape": 1 / 3}
 
 
 def blind_copy(rows: list[dict]) -> list[dict]:
     """The rows without their pictures: the placeholder goes, so the question is plain text."""
-    return [{"messages": [{**m, "content": m["content"].replace("<image>", "")} for m in row["messages"]]}
+    return [{"messages": [{**m, "content": m["content"].replace(IMAGE_PLACEHOLDER, "")} for m in row["messages"]]}
             for row in rows]
 
 
@@ -125,10 +125,9 @@ def run_case(name: str, steps: int | None, model_path: str | None = None) -> dic
         result = run_exp(training_config(arm, seed, steps or STEPS, work))
         wall = time.perf_counter() - start
         after = accuracy(result.output_dir, arm)
-        losses = [r["loss"] for r in read_log(result.output_dir) if "loss" in r]
-        steps = max(r["current_steps"] for r in read_log(result.output_dir) if "current_steps" in r)
-    return {"case": name, "steps": steps, "wall_s": wall, "before": before, "after": after["acc"],
-            "colour": after["colour"], "shape": after["shape"], "loss": losses[-1]}
+        logged = [r for r in read_log(result.output_dir) if "loss" in r]
+    return {"case": name, "steps": logged[-1]["current_steps"], "wall_s": wall, "before": before,
+            "after": after["acc"], "colour": after["colour"], "shape": after["shape"], "loss": logged[-1]["loss"]}
 
 
 def main(argv=None) -> int:
