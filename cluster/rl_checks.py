@@ -6,6 +6,7 @@ apply, and sampling and reward functions are part of the config."""
 
 from __future__ import annotations
 
+import json
 import os
 from typing import Callable
 
@@ -51,11 +52,7 @@ def check_rl(run, where: Callable[[str], str], local: bool = True) -> None:
         except UserError as exc:  # a stage's own check (stages/), as the config's paragraph
             raise ConfigError(str(exc)) from None
     if run.training.values.get("deepspeed"):
-        raise ConfigError(
-            f"deepspeed in {where('deepspeed')}: stage {run.finetuning.stage} trains its policy with DDP across "
-            "ray_num_workers; DeepSpeed ZeRO for RL policies is not built yet. Remove deepspeed (use LoRA or "
-            "more workers to fit the model)."
-        )
+        _check_deepspeed(run, where)
     if run.model.quantization_bit:
         raise ConfigError(
             f"quantization_bit in {where('quantization_bit')}: QLoRA policies cannot yet be synced into the "
@@ -129,6 +126,41 @@ def _check_environment(run, where: Callable[[str], str], local: bool) -> None:
         raise ConfigError(f"tools in {where('tools')}: {exc}") from None
     except EnvironmentSpecError as exc:
         raise ConfigError(f"environment in {where('environment')}: {exc}") from None
+
+
+def _check_deepspeed(run, where: Callable[[str], str]) -> None:
+    """deepspeed: the policy and critic train in a DeepSpeed engine (stages/rl/zero.py). What the
+    RL roles cannot do with it is named here; the file itself was read by read_deepspeed_config."""
+    config = run.training.values.get("deepspeed")
+    if isinstance(config, str) and os.path.isfile(config):  # read_deepspeed_config reads it later, and says
+        try:                                                # what is wrong with a path or its JSON
+            with open(config, encoding="utf-8") as f:
+                config = json.load(f)
+        except ValueError:
+            return
+    if not isinstance(config, dict):
+        return
+    from stages.rl.zero import ZeroConfigError, check_autos
+
+    try:
+        check_autos(config, place=f"deepspeed in {where('deepspeed')}")
+    except ZeroConfigError as exc:
+        raise ConfigError(str(exc)) from None
+    stage = (config.get("zero_optimization") or {}).get("stage", 0)
+    if stage == 3 and run.rl.rollout_backend == "hf" and run.ray.ray_num_workers > 1:
+        raise ConfigError(
+            f"deepspeed in {where('deepspeed')} is a ZeRO-3 config and rollout_backend is hf with ray_num_workers "
+            f"{run.ray.ray_num_workers}: each policy rank would generate its own prompts with transformers, and "
+            "under ZeRO-3 every generated token's forward gathers parameters from all ranks, which generations of "
+            "different lengths cannot keep in step. Use rollout_backend: vllm, a ZeRO-2 config "
+            "(configs/deepspeed/ds_z2_config.json), or ray_num_workers: 1."
+        )
+    if (config.get("fp16") or {}).get("enabled") is True:
+        raise ConfigError(
+            f"fp16.enabled is true in the deepspeed config from {where('deepspeed')}: the RL roles train without "
+            "a loss scaler (as without DeepSpeed), so fp16 is not offered. Set it to \"auto\" or false, and use "
+            "bf16 (bf16.enabled: \"auto\" follows the model's dtype)."
+        )
 
 
 def _check_adapter_sync(run, where: Callable[[str], str]) -> None:

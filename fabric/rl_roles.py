@@ -24,6 +24,7 @@ from stages.rl.reward_model import RewardModelWorker
 from stages.rl.roles import Generation, PPORoles
 from stages.engines.types import Completion, SamplingSpec
 from stages.rl.types import RolloutSample
+from stages.rl.zero import gathered
 
 from .actor_group import ActorGroup, RayPending, RoleWorker, concat, gather, split_evenly
 from .weight_sync import CollectiveSync, WeightSender
@@ -38,8 +39,13 @@ class PolicyActor(RoleWorker, PolicyWorker):
         self.weight_sender.join(host, port, world_size, backend)
 
     def send_weights(self) -> list:
-        """Pack the weights and queue their broadcast; the plan the engines receive them by."""
-        return self.weight_sender.send(self.model)
+        """Pack the weights and queue their broadcast; the plan the engines receive them by. A
+        ZeRO-3 rank other than 0 (no sender) only takes part in gathering the shards."""
+        sender = getattr(self, "weight_sender", None)
+        if sender is None:
+            with gathered(self.model):
+                return []
+        return sender.send(self.model)
 
 
 class CriticActor(RoleWorker, CriticWorker):
@@ -59,6 +65,7 @@ class RayRoles(PPORoles):
         self.critic = critic
         self.reward = reward
         self.policy_size = policy.size
+        self._all_ranks: dict[str, bool] = {}  # role -> reading its whole model is a collective (ZeRO-3)
 
     def generate(self, prompt_ids: list[list[int]], sampling: SamplingSpec) -> list[Completion]:
         return self.generate_async(prompt_ids, sampling).result().completions
@@ -116,7 +123,7 @@ class RayRoles(PPORoles):
             export = PolicyActor.export_adapter
         else:
             export = PolicyActor.export_weights
-        blob = self.policy.call_rank0_async(export)  # stays in the object store
+        blob = self._rank0_of_all(self.policy, export)  # stays in the object store
         loads = self.weight_sync.start(blob, self.engines.actors)
         return RayPending(loads, lambda seconds: {"time/sync_load": max(seconds, default=0.0)})
 
@@ -131,9 +138,18 @@ class RayRoles(PPORoles):
         return concat(self.reward.scatter(RewardActor.scores, split_evenly(samples, self.reward.size)))
 
     def save(self, output_dir: str) -> None:
-        self.policy.call_rank0(PolicyActor.save, output_dir)
+        gather([self._rank0_of_all(self.policy, PolicyActor.save, output_dir)])
         if self.critic is not None:
-            self.critic.call_rank0(CriticActor.save, output_dir)
+            gather([self._rank0_of_all(self.critic, CriticActor.save, output_dir)])
+
+    def _rank0_of_all(self, group: ActorGroup, method, *args):
+        """Rank 0's call (an ObjectRef): on rank 0 alone, or under ZeRO-3 with several ranks, where
+        gathering the shards is a collective, on every rank (the others' answers are dropped)."""
+        if group.name not in self._all_ranks:
+            self._all_ranks[group.name] = group.size > 1 and group.call_rank0(group.worker_cls.exports_need_all_ranks)
+        if not self._all_ranks[group.name]:
+            return group.call_rank0_async(method, *args)
+        return group.call_all_async(method, *args)[0]
 
     def save_checkpoint(self, folder: str) -> None:
         """Each learning role's ranks write their part at once (policy/ and critic/ inside folder)."""

@@ -25,6 +25,7 @@ import torch
 from stages.engines.weight_buckets import DEFAULT_BUCKET_BYTES, Bucket, pack
 from stages.engines.weight_group import buffer_device
 from stages.rl.weights import export_adapter, export_state_dict, state_dict_to_bytes
+from stages.rl.zero import gathered
 
 Weights = Union[torch.nn.Module, Mapping[str, torch.Tensor], bytes, "ray.ObjectRef"]
 
@@ -71,8 +72,9 @@ class ObjectStoreSync:
 
     def _send(self, weights: Weights, engines: Sequence) -> tuple[Optional[int], list]:
         if isinstance(weights, torch.nn.Module):
-            weights = (export_adapter(weights, dtype=self.dtype) if self.payload == "adapter"
-                       else export_state_dict(weights, dtype=self.dtype))
+            with gathered(weights):  # ZeRO-3 shards whole first (every rank of the model must call this)
+                weights = (export_adapter(weights, dtype=self.dtype) if self.payload == "adapter"
+                           else export_state_dict(weights, dtype=self.dtype))
         if isinstance(weights, Mapping):
             weights = state_dict_to_bytes(weights)
         size = None
@@ -119,7 +121,9 @@ class WeightSender:
         if self._last is not None and self._last.done():
             self._last.result()  # an earlier push that failed (e.g. an engine died) fails this one
         device = buffer_device(self.backend)
-        with torch.no_grad():
+        # ZeRO-3: the shards gathered for the packing copy only (the other ranks gather with this one
+        # in PolicyActor.send_weights); the buffers are the snapshot that is broadcast after.
+        with torch.no_grad(), gathered(model):
             plan, buffers = pack(export_state_dict(model, dtype=dtype, device=device, copy=False), bucket_bytes, device)
         self._last = self._thread.submit(self._broadcast, buffers)
         return plan
@@ -147,8 +151,8 @@ class CollectiveSync:
     (rank 0 hosts the group's store), then per push the policy's ``send_weights`` returns the plan
     and ``start(plan, engines)`` has each engine receive by it (``fabric/rl_roles.py``).
     Not run on a GPU here: NCCL differs from the CPU tests in the backend name and the buffers'
-    device only. A DeepSpeed ZeRO-3 policy (not offered for the RL roles yet) would need its
-    parameters gathered before packing.
+    device only. A DeepSpeed ZeRO-3 policy's shards are gathered (``stages.rl.zero.gathered``, on
+    every policy rank at once) for the packing copy; that gather has run on CPU (gloo) only.
     """
 
     def __init__(self, backend: str):

@@ -145,6 +145,56 @@ def load_role_state(folder: str, rank: int, model, optimizer, scheduler) -> dict
         return json.load(f)
 
 
+# ----- the same under DeepSpeed: the engine writes each rank's shards -----
+
+ZERO_TAG = "zero"  # DeepSpeed's checkpoint folder inside a role's part (its files: DeepSpeed's own layout)
+
+
+def save_zero_state(folder: str, rank: int, engine) -> None:
+    """A DeepSpeed role's part of a checkpoint: ``engine.save_checkpoint`` into ``folder/zero``
+    (a collective: every rank writes its optimizer shard, rank 0 the module's state; under ZeRO-3
+    the weights are in the shards as fp32 partitions), the schedule with it, and every rank's
+    random number generators as on the DDP path. Frozen parameters are left out as there (a LoRA
+    base comes back from the base model on resume)."""
+    os.makedirs(folder, exist_ok=True)
+    engine.save_checkpoint(folder, tag=ZERO_TAG, save_latest=False, exclude_frozen_parameters=True)
+    torch.save(_rng_state(), os.path.join(folder, f"rng_state_{rank}.pt"))
+
+
+def load_zero_state(folder: str, rank: int, engine) -> None:
+    """Put what ``save_zero_state`` wrote back: weights, optimizer shards and schedule through
+    ``engine.load_checkpoint`` (a collective; DeepSpeed needs the same number of ranks and ZeRO
+    stage as the run that saved), then this rank's random number generators."""
+    path, _ = engine.load_checkpoint(folder, tag=ZERO_TAG, load_module_strict=False, load_optimizer_states=True,
+                                     load_lr_scheduler_states=True)
+    if path is None:
+        raise ResumeError(
+            f"DeepSpeed could not load the checkpoint part {folder}/{ZERO_TAG}. Resume with the deepspeed config "
+            "and ray_num_workers the checkpoint was written with, or start fresh without resume_from_checkpoint."
+        )
+    rng_file = os.path.join(folder, f"rng_state_{rank}.pt")
+    if os.path.exists(rng_file):
+        _set_rng_state(torch.load(rng_file, weights_only=True))
+
+
+def check_zero_layout(folder: str, zero: bool) -> None:
+    """A role's checkpoint part written with DeepSpeed cannot be read without it, nor the reverse."""
+    has_zero = os.path.isdir(os.path.join(folder, ZERO_TAG))
+    has_plain = os.path.exists(os.path.join(folder, TRAINABLE_FILE))
+    if zero and not has_zero and has_plain:
+        written, now = "without deepspeed", "with"
+    elif not zero and has_zero and not has_plain:
+        written, now = "by a DeepSpeed (deepspeed key) run", "without"
+    else:
+        return
+    raise ResumeError(
+        f"The checkpoint part {folder} was written {written}, and this run trains {now} DeepSpeed: the two keep "
+        "weights and optimizer state in different layouts. Resume with the deepspeed setting the checkpoint was "
+        "trained with, or start fresh without resume_from_checkpoint."
+    )
+
+
 __all__ = [
-    "STATE_FILE", "load_role_state", "read_state", "save_role_state", "write_state",
+    "STATE_FILE", "ZERO_TAG", "check_zero_layout", "load_role_state", "load_zero_state", "read_state",
+    "save_role_state", "save_zero_state", "write_state",
 ]

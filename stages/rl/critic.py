@@ -79,7 +79,7 @@ class CriticWorker(TrainableRole):
     # --- the controller's questions ---------------------------------------------------------------
     def values(self, samples: list[RolloutSample]) -> list[list[float]]:
         """The critic's value before each completion token (no gradient)."""
-        with torch.no_grad(), self.forwards():
+        with torch.no_grad(), self.forwards(), self._paired_forwards(self._forward_count(samples, sort=False)):
             out = completion_values(self.model, *sample_ids(samples), self.pad_token_id,
                                     max_tokens=self.spec.rl.max_tokens_per_micro_batch, rows=self.rows)
         return [v.tolist() for v in out]
@@ -102,9 +102,19 @@ class CriticWorker(TrainableRole):
         return loss, metrics
 
     def save(self, output_dir: str) -> None:
-        """Rank 0 writes the critic into output_dir/critic, loadable like a stage rm output."""
-        if self.dp_rank == 0:
-            self.model.save(os.path.join(output_dir, CRITIC_DIR))
+        """Rank 0 writes the critic into output_dir/critic, loadable like a stage rm output
+        (ZeRO-3: every rank is called, and the shards are gathered first)."""
+        from .zero import gathered
+
+        with gathered(self.model):
+            if self.dp_rank == 0:
+                self.model.save(os.path.join(output_dir, CRITIC_DIR))
+
+    def exports_need_all_ranks(self) -> bool:
+        """True when saving is a collective (ZeRO-3 over several ranks): call save on every rank."""
+        from .zero import is_partitioned
+
+        return self.dp_size > 1 and is_partitioned(self.model)
 
 
 def completion_values(model, prompt_ids: Sequence[Sequence[int]], completion_ids: Sequence[Sequence[int]],

@@ -71,7 +71,7 @@ class PolicyWorker(TrainableRole):
         """The current policy's log-prob of every completion token (the "old" policy of an update)."""
         from .logprobs import completion_logprobs
 
-        with torch.no_grad(), self.forwards():
+        with torch.no_grad(), self.forwards(), self._paired_forwards(self._forward_count(samples)):
             out = completion_logprobs(self.model, *sample_ids(samples), self.pad_token_id, **self._logprob_options())
         return [t.tolist() for t in out]
 
@@ -85,7 +85,8 @@ class PolicyWorker(TrainableRole):
                 with self.forwards(self.reference.model):
                     out = completion_logprobs(self.reference.model, *sample_ids(samples), self.pad_token_id, **options)
             elif self.reference.kind == "adapter_disabled":
-                with self.model.disable_adapter(), self.forwards():
+                # ZeRO-3: the idle forwards too with the adapter off, gathering what the real ones gather
+                with self.model.disable_adapter(), self.forwards(), self._paired_forwards(self._forward_count(samples)):
                     out = completion_logprobs(self.model, *sample_ids(samples), self.pad_token_id, **options)
             else:
                 raise RuntimeError("reference log-probs asked for, but beta is 0: no reference model was loaded")
@@ -157,17 +158,31 @@ class PolicyWorker(TrainableRole):
             rollout_weights=weights,
         )
 
-    def export_weights(self) -> bytes:
-        """The full weights, HF-named (a LoRA adapter merged in), as safetensors bytes for the engines."""
+    def export_weights(self) -> Optional[bytes]:
+        """The full weights, HF-named (a LoRA adapter merged in), as safetensors bytes for the engines.
+        Under ZeRO-3 with several ranks every rank is called (the shards' gather is collective) and
+        rank 0's answer is the export; the others answer None."""
         from .weights import export_state_dict, state_dict_to_bytes
+        from .zero import gathered
 
-        return state_dict_to_bytes(export_state_dict(self.model))
+        with gathered(self.model):
+            return state_dict_to_bytes(export_state_dict(self.model)) if self.dp_rank == 0 else None
 
-    def export_adapter(self) -> bytes:
-        """The LoRA adapter alone (adapter-only weight sync), as one safetensors blob."""
+    def export_adapter(self) -> Optional[bytes]:
+        """The LoRA adapter alone (adapter-only weight sync), as one safetensors blob (ZeRO-3: as
+        ``export_weights``)."""
         from .weights import export_adapter
+        from .zero import gathered
 
-        return export_adapter(self.model)
+        with gathered(self.model):
+            return export_adapter(self.model) if self.dp_rank == 0 else None
+
+    def exports_need_all_ranks(self) -> bool:
+        """True when reading the whole model is a collective (ZeRO-3 over several ranks): exports
+        and the final save must then be called on every rank, not rank 0 alone."""
+        from .zero import is_partitioned
+
+        return self.dp_size > 1 and is_partitioned(self.model)
 
     def generate_batch(self, prompt_ids: list[list[int]], sampling: SamplingSpec) -> list[Completion]:
         """The HF rollout backend: the transformers engine samples from the weights being trained."""
@@ -176,12 +191,16 @@ class PolicyWorker(TrainableRole):
         return HFEngine(self.model, self.pad_token_id).generate_batch(prompt_ids, sampling)
 
     def save(self, output_dir: str) -> Optional[str]:
-        """Rank 0 writes the adapter or model and the tokenizer with the training chat template."""
-        if self.dp_rank != 0:
-            return None
+        """Rank 0 writes the adapter or model and the tokenizer with the training chat template
+        (ZeRO-3: every rank is called, and the shards are gathered first)."""
+        from .zero import gathered
+
+        with gathered(self.model):
+            if self.dp_rank != 0:
+                return None
+            self.model.save_pretrained(output_dir)
         from registries.templates.jinja import to_jinja
 
-        self.model.save_pretrained(output_dir)
         self.tokenizer.chat_template = to_jinja(self.template, self.tokenizer)  # serving formats prompts as training did
         self.tokenizer.save_pretrained(output_dir)
         return output_dir
