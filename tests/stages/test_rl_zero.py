@@ -41,11 +41,18 @@ def one_rank_group():
     """A one-rank gloo group, as fabric's actor groups give every policy rank (DeepSpeed joins it)."""
     import torch.distributed as dist
 
+    # Put the environment back afterwards: RANK / WORLD_SIZE (and what DeepSpeed adds) left in the
+    # pytest process reach every later test's subprocesses (the web UI's server then hangs on them).
+    saved = dict(os.environ)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()), RANK="0", WORLD_SIZE="1",
                       LOCAL_RANK="0")
     dist.init_process_group("gloo", rank=0, world_size=1)
-    yield
-    dist.destroy_process_group()
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+        os.environ.clear()
+        os.environ.update(saved)
 
 
 def config(tmp_path, zero: int | str | None = None, **overrides) -> dict:
