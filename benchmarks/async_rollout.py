@@ -18,11 +18,18 @@ with ``async_rollout`` set by the mode:
     one_step_seqmask one_step with vllm_importance_sampling_mode sequence_mask, the synchronous
                      default (TRL's) (not run by default)
     one_step_seq_tis one_step with sequence_truncate (not run by default)
+    one_step_partial, bounded2_partial
+                     the same with partial_rollout: a push is loaded between two decoding steps of
+                     the batch in flight (not run by default; give the completions room, e.g.
+                     --set max_completion_length=64 --set top_k=0, or every batch ends first)
 
 Per mode, over the seeds: steps/s and completion tokens/s over the steady steps (step 1, which
 starts the engine's cache and the pipeline, left out), the mean seconds per step of each phase
 (``generate`` is what the controller waited for the batch; ``engine`` the engine's own time on it;
-``overlap`` the part of that spent while the policy was busy), the mean reward of the last 10
+``overlap`` the part of that spent while the policy was busy; ``sync_load`` an engine's own time
+on the last finished push, which for an in-flight one includes waiting for the decoding step in
+progress), ``after push`` the share of a batch's tokens sampled by weights pushed while it was
+being generated (partial rollouts), the mean reward of the last 10
 steps per seed, and peak RSS per role. The speed-up column is against ``off``.
 """
 
@@ -48,12 +55,15 @@ MODES = {
     "one_step_nocorr": dict(async_rollout="one_step", vllm_importance_sampling_correction=False),
     "one_step_seqmask": dict(async_rollout="one_step", vllm_importance_sampling_mode="sequence_mask"),
     "one_step_seq_tis": dict(async_rollout="one_step", vllm_importance_sampling_mode="sequence_truncate"),
+    "one_step_partial": dict(async_rollout="one_step", partial_rollout=True),
+    "bounded2_partial": dict(async_rollout="bounded", max_staleness=2, partial_rollout=True),
 }
-PHASES = ("generate", "generate_engine", "overlap", "reward", "reference", "update", "sync")
+PHASES = ("generate", "generate_engine", "overlap", "reward", "reference", "update", "sync", "sync_load")
 COLUMNS = [("mode", "mode", "{}"), ("seeds", "seeds", "{}"), ("steps/s", "steps_per_s", "{:.2f}"),
            ("vs off", "speedup", "{}"), ("tokens/s", "tokens_per_s", "{:,.0f}"),
            *[(p.replace("generate_", ""), p, "{:.3f}") for p in PHASES],
-           ("staleness", "staleness", "{}"), ("last-10 reward per seed", "last10", "{}"),
+           ("staleness", "staleness", "{}"), ("after push", "after_push", "{:.2f}"),
+           ("last-10 reward per seed", "last10", "{}"),
            ("last-10 mean", "last10_mean", "{:.3f}"), ("first step", "first_step_s", "{:.1f} s"),
            ("peak RSS policy", "rss_policy", "{:.0f} MiB"), ("peak RSS rollout", "rss_rollout", "{:.0f} MiB")]
 
@@ -83,6 +93,7 @@ def one_run(config_name: str, mode: str, seed: int, steps: int, overrides: dict)
         "tokens_per_s": per_step * statistics.mean(r["completion_length"] for r in steady) / step_s,
         **{p: statistics.mean(r.get(f"time/{p}", 0.0) for r in steady) for p in PHASES},
         "staleness": sorted({r.get("async/staleness", 0) for r in steady}),
+        "after_push": statistics.mean(r.get("async/tokens_after_push", 0.0) for r in steady),
         "last10": statistics.mean(r["reward"] for r in steps_logged[-10:]),
         "first_step_s": log_start + steps_logged[0]["elapsed_time"] - t0,
         **{f"rss_{k}": v for k, v in peak.items()},
@@ -95,7 +106,7 @@ def summarize(mode: str, runs: list[dict]) -> dict:
            "staleness": ",".join(str(s) for s in sorted({s for r in runs for s in r["staleness"]})),
            "last10": " ".join(f"{r['last10']:.3f}" for r in runs),
            "last10_mean": statistics.mean(r["last10"] for r in runs)}
-    for key in (*PHASES, "first_step_s", "rss_policy", "rss_rollout"):
+    for key in (*PHASES, "after_push", "first_step_s", "rss_policy", "rss_rollout"):
         row[key] = statistics.mean(r.get(key, 0.0) for r in runs)
     return row
 

@@ -95,6 +95,13 @@ def check_rl(run, where: Callable[[str], str], local: bool = True) -> None:
         _check_adapter_sync(run, where)
     if run.rl.rollout_weight_sync == "collective":
         _check_collective_sync(run, where)
+    if run.rl.partial_rollout and run.rl.rollout_lora_sync == "adapter":
+        raise ConfigError(
+            f"partial_rollout in {where('partial_rollout')} with rollout_lora_sync adapter: an in-flight push loads "
+            "the new weights under the requests being generated, but an adapter push swaps the LoRA those "
+            "requests were started with, which vLLM cannot do mid-request. Use rollout_lora_sync: merged, or "
+            "remove partial_rollout."
+        )
     try:
         check_judge_keys(run, where)
     except RLConfigError as exc:

@@ -80,16 +80,19 @@ W = TypeVar("W", bound=RoleWorker)
 class ActorGroup(Generic[W]):
     """``placement.num_actors`` actors of ``worker_cls``, actor i (rank i) on its bundle; each is
     built with ``worker_cls(*init_args, **init_kwargs)``, and the constructor blocks until all are
-    up, so a failing ``__init__`` is raised here rather than at the first call."""
+    up, so a failing ``__init__`` is raised here rather than at the first call. ``class_options``:
+    the actor class's own Ray options (``ray.remote``'s, e.g. ``concurrency_groups``)."""
 
     def __init__(self, worker_cls: type[W], placement: RolePlacement, *init_args: Any,
-                 env_vars: dict[str, str] | None = None, name: str | None = None, **init_kwargs: Any):
+                 env_vars: dict[str, str] | None = None, name: str | None = None,
+                 class_options: dict[str, Any] | None = None, **init_kwargs: Any):
         if not (isinstance(worker_cls, type) and issubclass(worker_cls, RoleWorker)):
             raise TypeError(f"ActorGroup needs a RoleWorker subclass, got {worker_cls!r}.")
         self.worker_cls = worker_cls
         self.placement = placement
         self.name = name or placement.role
-        remote_cls = ray.remote(_guarded(worker_cls))
+        guarded = _guarded(worker_cls)
+        remote_cls = ray.remote(**class_options)(guarded) if class_options else ray.remote(guarded)
         size = placement.num_actors
         self.actors: list[ray.actor.ActorHandle] = []
         for rank in range(size):

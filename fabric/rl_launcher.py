@@ -168,7 +168,7 @@ def _start_engines(spec: JobSpec, ray_args: RayArguments, placement):
 
     from stages.engines.vllm_backend import VLLMEngineConfig
 
-    from .rollout import RolloutActor, engine_runtime_env
+    from .rollout import RolloutActor, engine_runtime_env, rollout_class_options
     from .weight_sync import ObjectStoreSync
 
     rl = spec.rl
@@ -184,11 +184,13 @@ def _start_engines(spec: JobSpec, ray_args: RayArguments, placement):
             COLOCATED_GPU_SHARE if (ray_args.colocate_rollout or ray_args.colocate_all) and ray_args.uses_gpu else None),
         rollout_lora_rank=spec.finetuning.lora_rank if rl.rollout_lora_sync == "adapter" else None,
     )
-    engines = ActorGroup(RolloutActor, placement, config, env_vars=engine_runtime_env()["env_vars"], name="rollout")
+    engines = ActorGroup(RolloutActor, placement, config, env_vars=engine_runtime_env()["env_vars"], name="rollout",
+                         class_options=rollout_class_options(rl.partial_rollout))
     if rl.rollout_weight_sync == "collective":
-        sync = CollectiveSync("nccl" if ray_args.uses_gpu else "gloo")
+        sync = CollectiveSync("nccl" if ray_args.uses_gpu else "gloo", in_flight=rl.partial_rollout)
     else:
-        sync = ObjectStoreSync(payload="full" if rl.rollout_lora_sync == "merged" else "adapter")
+        sync = ObjectStoreSync(payload="full" if rl.rollout_lora_sync == "merged" else "adapter",
+                               in_flight=rl.partial_rollout)
     return engines, sync
 
 

@@ -73,12 +73,15 @@ class RayRoles(PPORoles):
     def generate_async(self, prompt_ids: list[list[int]], sampling: SamplingSpec) -> RayPending:
         """Each actor gets a contiguous shard; the result numbers prompts across the whole batch and
         spans the engines' busy time (none for the HF backend, whose generate is untimed)."""
+        after_loads = None
         if self.engines is not None:
             from .rollout import RolloutActor
 
             timed = True
             shards = split_evenly(prompt_ids, self.engines.size)
-            refs = self.engines.scatter_async(RolloutActor.generate_timed, shards, sampling)
+            if self.weight_sync is not None and self.weight_sync.in_flight:  # after every push sent so far
+                after_loads = self.weight_sync.loads_sent
+            refs = self.engines.scatter_async(RolloutActor.generate_timed, shards, sampling, after_loads)
         else:
             timed = False
             shards = split_evenly(prompt_ids, self.policy.size)
@@ -94,7 +97,8 @@ class RayRoles(PPORoles):
                     out.append(c)
                 offset += len(shard)
             busy = (min(s for s, _ in spans), max(e for _, e in spans)) if spans else None
-            return Generation(out, busy)
+            newer = None if after_loads is None else share_after_push(out, after_loads)
+            return Generation(out, busy, newer_tokens=newer)
 
         return RayPending(refs, finish)
 
@@ -163,6 +167,13 @@ class RayRoles(PPORoles):
         if self.critic is not None:
             refs += self.critic.call_all_async(CriticActor.load_checkpoint, os.path.join(folder, "critic"))
         gather(refs)
+
+
+def share_after_push(completions: list[Completion], loads: int) -> float:
+    """The share of the completions' tokens sampled after an in-flight push (a load past ``loads``,
+    the pushes sent before the batch)."""
+    stamps = [v for c in completions for v in (c.versions or ())]
+    return sum(v > loads for v in stamps) / len(stamps) if stamps else 0.0
 
 
 def _merge_reports(reports: list[dict]) -> dict[str, float]:

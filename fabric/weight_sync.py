@@ -11,6 +11,10 @@ seconds), and ``ObjectStoreSync.push`` also does it whole, for callers that hold
   serialisation, no object store, no trip through host memory on GPUs.
 
 After a push every engine samples from the new weights (its prefix cache dropped).
+
+``in_flight=True`` (partial rollouts): either transport's pushes go to the engines' ``weights``
+thread (``load_in_flight``) instead of their queue of calls, and are loaded between two decoding
+steps of a generation in flight; ``loads_sent`` counts them, for the batches sent after to wait for.
 """
 
 from __future__ import annotations
@@ -43,7 +47,26 @@ class WeightSync(Protocol):
         (``exported``, an ObjectRef) as its next call; ObjectRefs of each engine's load seconds."""
 
 
-class ObjectStoreSync:
+class _Transport:
+    """What both transports share: where the engines' loads go, and the count of in-flight pushes."""
+
+    def __init__(self, in_flight: bool):
+        self.in_flight = in_flight
+        self.loads_sent = 0  # in-flight pushes sent so far
+
+    def _loads(self, engines: Sequence, method: str, kind: str, payload) -> list:
+        """Each engine's ``method(payload)`` as its next call, or with ``in_flight`` its
+        ``load_in_flight(kind, payload)`` on its weights thread."""
+        if not self.in_flight:
+            return [getattr(engine, method).remote(payload) for engine in engines]
+        from .rollout import WEIGHTS_GROUP
+
+        self.loads_sent += 1
+        return [engine.load_in_flight.options(concurrency_group=WEIGHTS_GROUP).remote(kind, payload)
+                for engine in engines]
+
+
+class ObjectStoreSync(_Transport):
     """Export once, ``ray.put`` once, every engine's ``load_weights`` in parallel.
 
     ``weights``: the policy model (exported with ``export_state_dict``: a LoRA adapter is merged
@@ -54,9 +77,13 @@ class ObjectStoreSync:
     their base (``load_adapter``): bytes per push scale with the adapter, not the model.
     """
 
-    def __init__(self, dtype: Optional[torch.dtype] = None, payload: str = "full"):
+    def __init__(self, dtype: Optional[torch.dtype] = None, payload: str = "full", in_flight: bool = False):
         if payload not in ("full", "adapter"):
             raise ValueError(f"payload must be 'full' or 'adapter', got {payload!r}")
+        if in_flight and payload == "adapter":
+            raise ValueError("in-flight pushes take full weights only (an adapter swap would change the LoRA of "
+                             "requests mid-generation)")
+        super().__init__(in_flight)
         self.dtype = dtype
         self.payload = payload  # adapter: a LoRA adapter alone, served beside the engines' untouched base
 
@@ -84,7 +111,7 @@ class ObjectStoreSync:
         elif not isinstance(weights, ray.ObjectRef):
             raise TypeError(f"cannot push {type(weights).__name__}: give a model, a state dict, bytes or an ObjectRef")
         load = "load_adapter" if self.payload == "adapter" else "load_weights"
-        return size, [getattr(engine, load).remote(weights) for engine in engines]
+        return size, self._loads(engines, load, "blob", weights)
 
 
 class WeightSender:
@@ -140,7 +167,7 @@ class WeightSender:
             broadcast(self.group, buffer)
 
 
-class CollectiveSync:
+class CollectiveSync(_Transport):
     """Policy rank 0 broadcasts the weights into the engines' workers over a process group of
     their own (``stages/engines/weight_group.py``): gloo on CPU, NCCL on GPU, the same code path
     (bucketed, ``weight_buckets``) on both. No serialisation and no object store: one packing copy
@@ -155,11 +182,12 @@ class CollectiveSync:
     every policy rank at once) for the packing copy; that gather has run on CPU (gloo) only.
     """
 
-    def __init__(self, backend: str):
+    def __init__(self, backend: str, in_flight: bool = False):
         from stages.engines.weight_group import BACKENDS
 
         if backend not in BACKENDS:
             raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+        super().__init__(in_flight)
         self.backend = backend
 
     def connect(self, join_sender, address: tuple[str, int], engines: Sequence, engine_tp: int = 1) -> None:
@@ -175,4 +203,4 @@ class CollectiveSync:
     def start(self, plan: "ray.ObjectRef", engines: Sequence) -> list:
         """Each engine's ``receive_weights`` (ObjectRefs of their seconds), queued behind whatever
         it was already sent; Ray hands them the plan once the sender has packed the buckets."""
-        return [engine.receive_weights.remote(plan) for engine in engines]
+        return self._loads(engines, "receive_weights", "plan", plan)

@@ -72,6 +72,8 @@ class Completion:
     top_logprobs: Optional[list[tuple[tuple[int, float], ...]]] = None
     index: int = 0
     prompt_index: int = 0
+    # partial rollouts: per token, the weights version (pushes loaded by the engine) that sampled it
+    versions: Optional[list[int]] = None
 
 
 @dataclass

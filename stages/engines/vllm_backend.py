@@ -3,7 +3,8 @@
 One class, two ways to build it, because vLLM offers two front ends:
 * ``VLLMEngine(config)``: an offline ``vllm.LLM`` with its engine core in this very process, for
   the RL rollout actors: ``generate_batch`` over many prompts, and the RL hooks (``load_weights``
-  of a safetensors blob, or ``receive_weights`` of fabric/weight_sync.py's collective push; ``reset_cache``).
+  of a safetensors blob, or ``receive_weights`` of fabric/weight_sync.py's collective push; ``reset_cache``;
+  partial rollouts' ``generate_stepwise`` and ``load_in_flight``, stages/engines/inflight_weights.py).
 * ``VLLMEngine.for_requests(config)``: an ``AsyncLLM`` for chat, serve, predict and the web UI:
   concurrent requests batched by vLLM's scheduler, streamed as deltas, base and LoRA adapters.
   The engine core runs in a process of its own (AsyncLLM always does; on CPU vLLM starts it with
@@ -28,6 +29,7 @@ from typing import AsyncIterator, Optional
 from registries.errors import UserError
 
 from .types import Completion, GenerationRequest, SamplingSpec, StreamDelta, check_prompt_fits, collect
+from .inflight_weights import InFlightReceiver
 from .vllm_adapters import AdapterReceiver, engine_lora_rank
 
 # vLLM imports this by name inside its worker process and mixes it into the worker class.
@@ -87,7 +89,7 @@ class VLLMEngineConfig:
     extra: dict = field(default_factory=dict)
 
 
-class VLLMEngine(AdapterReceiver):
+class VLLMEngine(AdapterReceiver, InFlightReceiver):
     """One vLLM engine. Plain class: the RL launcher makes it a Ray actor."""
 
     name = "vllm"
@@ -129,9 +131,17 @@ class VLLMEngine(AdapterReceiver):
 
     def generate_batch(self, prompt_ids: list[list[int]], sampling: SamplingSpec) -> list[Completion]:
         """``sampling.n`` completions per prompt, prompt by prompt, in request order."""
+        self._require("generate_batch", offline=True)
+        prompts, params, copies = self._batch_requests(prompt_ids, sampling)
+        outputs = self.llm.generate(prompts, params, use_tqdm=False, lora_request=self.rollout_lora)
+        # LLM.generate returns them in request order
+        return batch_completions([output.outputs for output in outputs], sampling, copies)
+
+    def _batch_requests(self, prompt_ids: list[list[int]], sampling: SamplingSpec, stream: bool = False):
+        """A batch's vLLM prompts and sampling params (one per prompt), and how many copies each
+        sample stands for (a greedy sample is generated once for all n)."""
         from vllm.inputs import TokensPrompt
 
-        self._require("generate_batch", offline=True)
         too_long = [i for i, ids in enumerate(prompt_ids) if len(ids) >= self.max_model_len]
         if too_long:
             raise UserError(
@@ -144,19 +154,9 @@ class VLLMEngine(AdapterReceiver):
         # vLLM seeds the i-th of a request's n samples with seed + i; one seed for every prompt would
         # give every prompt the same random stream, so prompt k starts at seed + k * n.
         params = [_sampling_params(sampling, sampling.max_tokens, sampling.n // copies,
-                                   None if sampling.seed is None else sampling.seed + k * sampling.n)
+                                   None if sampling.seed is None else sampling.seed + k * sampling.n, stream=stream)
                   for k in range(len(prompts))]
-        outputs = self.llm.generate(prompts, params, use_tqdm=False, lora_request=self.rollout_lora)
-        completions = []
-        for prompt_index, output in enumerate(outputs):  # LLM.generate returns them in request order
-            for sample in sorted(output.outputs, key=lambda s: s.index):
-                if sample.finish_reason not in ("stop", "length"):
-                    raise RuntimeError(f"vLLM ended a completion of prompt {prompt_index} with {sample.finish_reason!r}")
-                logprobs, top = _logprobs(sample, sampling.logprobs)
-                for index in range(sample.index, sample.index + copies):
-                    completions.append(Completion(list(sample.token_ids), sample.finish_reason, logprobs, top,
-                                                  index, prompt_index))
-        return completions
+        return prompts, params, copies
 
     def load_weights(self, blob: bytes) -> float:
         """Load a full HF-named state dict (``state_dict_to_bytes``) into the engine; seconds taken.
@@ -282,6 +282,24 @@ def _sampling_params(sampling: SamplingSpec, max_tokens: int, n: int, seed: Opti
         logprobs=sampling.logprobs, detokenize=False,
         output_kind=RequestOutputKind.DELTA if stream else RequestOutputKind.FINAL_ONLY, **choice,
     )
+
+
+def batch_completions(samples_by_prompt: list, sampling: SamplingSpec, copies: int,
+                      versions: Optional[dict] = None) -> list[Completion]:
+    """Completions from each prompt's finished vLLM samples (``.index``, ``.token_ids``,
+    ``.finish_reason``, ``.logprobs``), in prompt order; ``versions``: (prompt, sample index) ->
+    each token's weights version (partial rollouts, stages/engines/inflight_weights.py)."""
+    completions = []
+    for prompt_index, samples in enumerate(samples_by_prompt):
+        for sample in sorted(samples, key=lambda s: s.index):
+            if sample.finish_reason not in ("stop", "length"):
+                raise RuntimeError(f"vLLM ended a completion of prompt {prompt_index} with {sample.finish_reason!r}")
+            logprobs, top = _logprobs(sample, sampling.logprobs)
+            stamps = None if versions is None else versions[prompt_index, sample.index]
+            for index in range(sample.index, sample.index + copies):
+                completions.append(Completion(list(sample.token_ids), sample.finish_reason, logprobs, top,
+                                              index, prompt_index, versions=stamps))
+    return completions
 
 
 def _logprobs(sample, top: Optional[int]):

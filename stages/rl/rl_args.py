@@ -40,11 +40,15 @@ class RLArguments:
     num_generations: int = 4
     max_completion_length: int = 32
     rollout_backend: Literal["vllm", "hf"] = "vllm"  # hf: transformers generate() inside the policy workers
-    # Asynchronous rollouts (stages/rl/async_rollout.py): off, today's synchronous step; one_step,
+    # Asynchronous rollouts (stages/rl/rollouts.py): off, today's synchronous step; one_step,
     # the engines generate the next batch while the policy trains on this one (samples one version
     # old, verl's one-step-off); bounded, up to max_staleness batches ahead (versions old).
     async_rollout: Literal["off", "one_step", "bounded"] = "off"
     max_staleness: Optional[int] = None  # None: 0 when off, 1 for one_step, 2 for bounded
+    # Partial rollouts (verl's partial_rollout): when asynchronous, a weight push is loaded by the
+    # engines between two decoding steps of the generation in flight instead of after it; the tokens
+    # still to come are sampled by the new weights (stages/engines/inflight_weights.py).
+    partial_rollout: bool = False
     # --- multi-turn rollouts (stages/rl/episodes.py) ---------------------------------------------
     # An environment makes each rollout a conversation: the policy's turns and the environment's
     # observations (tool results) until an answer, max_turns, or max_completion_length, which caps
@@ -290,6 +294,13 @@ class RLArguments:
                 "max_staleness",
                 f"async_rollout bounded lets the engines run up to max_staleness batches ahead of the policy, so "
                 f"it must be at least 1 (1 is one_step); got {self.max_staleness}. verl and AReaL use 1 to 4.",
+            )
+        if self.partial_rollout and self.async_rollout == "off":
+            raise ArgumentError(
+                "partial_rollout",
+                "partial_rollout loads a weight push into the engines while they are still generating, but with "
+                "async_rollout off the loop pushes only after every generation has finished, so there is nothing "
+                "to interrupt. Set async_rollout: one_step (or bounded), or remove partial_rollout.",
             )
         if self.async_rollout != "off" and self.rollout_backend == "hf":
             raise ArgumentError(

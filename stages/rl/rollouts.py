@@ -22,7 +22,9 @@ another way.
 Logged per step when asynchronous: ``async/staleness``, ``time/generate`` (what the controller
 waited for the batch), ``time/generate_engine`` (the engines' own time on it) and ``time/overlap``
 (how much of that ran while the policy was busy with reference, old log-prob, value or update
-passes). A checkpoint holds the policy, not the queue: a resumed run generates its first batches
+passes); with ``partial_rollout``, ``async/tokens_after_push`` (the share of the batch's tokens
+sampled by weights pushed while it was generating: the stamp is its oldest tokens' version).
+A checkpoint holds the policy, not the queue: a resumed run generates its first batches
 again from the restored weights (staleness 0, then back to k).
 """
 
@@ -155,6 +157,8 @@ class RolloutSource:
             if generation.version is not None:
                 entry.version = generation.version
         figures["async/staleness"] = step - 1 - entry.version
+        if generation.newer_tokens is not None:  # partial rollouts: fresher than the stamp
+            figures["async/tokens_after_push"] = generation.newer_tokens
         figures.update(self._engine_time(generation))
         samples = (generation.samples if generation.samples is not None
                    else group_samples(entry.batch, generation.completions, self.sampling.n))

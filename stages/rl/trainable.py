@@ -110,9 +110,7 @@ class TrainableRole:
                 with sync, self.forwards():  # the backward too: checkpointing recomputes attention in it
                     loss, metrics = chunk_loss(chunk)
                     (loss * self.dp_size).backward()  # DDP averages over ranks; the loss is already a global share
-                metrics.pop("num_tokens", None)  # a per-micro-batch count: meaningless once merged
-                for key, value in {"loss": loss.item() * self.dp_size, **metrics}.items():
-                    totals[key] = totals.get(key, 0.0) + value * (1 if key == "loss" else len(chunk))
+                self._add_metrics(totals, loss, metrics, len(chunk))
             grad_norm = None
             if options.max_grad_norm and options.max_grad_norm > 0:
                 grad_norm = float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), options.max_grad_norm))
@@ -122,6 +120,13 @@ class TrainableRole:
         out.update(grad_norm=grad_norm, lr=self.scheduler.get_last_lr()[0], num_samples=len(samples),
                    micro_batches=len(chunks))
         return out
+
+    def _add_metrics(self, totals: dict[str, float], loss: torch.Tensor, metrics: dict, rows: int) -> None:
+        """Add one micro-batch's loss (already its share of the whole batch) and its metrics,
+        weighted by its ``rows``, to ``totals``."""
+        metrics.pop("num_tokens", None)  # a per-micro-batch count: meaningless once merged
+        for key, value in {"loss": loss.item() * self.dp_size, **metrics}.items():
+            totals[key] = totals.get(key, 0.0) + value * (1 if key == "loss" else rows)
 
     def _zero_micro_batches(self, chunks: list, chunk_loss) -> tuple[dict, Optional[float]]:
         """The DeepSpeed engine's side of ``_optimizer_step``: every chunk's backward accumulates,
@@ -143,9 +148,7 @@ class TrainableRole:
             with self.forwards():
                 loss, metrics = chunk_loss(chunk)
                 engine.backward(loss * self.dp_size, scale_wrt_gas=False)
-            metrics.pop("num_tokens", None)
-            for key, value in {"loss": loss.item() * self.dp_size, **metrics}.items():
-                totals[key] = totals.get(key, 0.0) + value * (1 if key == "loss" else len(chunk))
+            self._add_metrics(totals, loss, metrics, len(chunk))
         engine.step()
         norm = engine.get_global_grad_norm()
         return totals, (None if norm is None else float(norm))

@@ -77,3 +77,26 @@ def test_ppo_trains_its_policy_and_critic_on_one_step_old_samples(ray_session, t
     later = [steps[s] for s in range(2, 6)]
     assert all(r["rollout_logprob_diff"] > 1e-3 and r["rollout_is_ratio_mean"] != 1.0 for r in later)
     assert steps[5]["value_loss"] < steps[1]["value_loss"]
+
+
+def test_partial_rollout_pushes_land_inside_the_generation_in_flight(ray_session, tmp_path):
+    """partial_rollout on one_step, with completions long enough (96 tokens, no stop) that the
+    engine is still generating step t + 1's batch when step t's push is sent: the push is loaded
+    between two decoding steps instead of after the batch, so part of each such batch's tokens come
+    from the newer weights (``async/tokens_after_push``), the staleness stamp (its oldest tokens)
+    stays 1, the correction weighs the mixed samples, and the run still trains. How the switch
+    itself works, token by token, is tests/e2e/test_partial_rollout.py's."""
+    config = example_config("grpo_full.yaml", tmp_path, max_steps=8, logging_steps=1, eval_dataset=None,
+                            reward_funcs=["digit_ratio"], reward_weights=None, async_rollout="one_step",
+                            partial_rollout=True, max_completion_length=96, top_k=0)
+    result = run_exp(config)
+
+    steps = _steps(result.output_dir)
+    assert sorted(steps) == list(range(1, 9))
+    assert [steps[s]["async/staleness"] for s in range(1, 9)] == [0] + [1] * 7
+    later = [steps[s] for s in range(2, 9)]
+    shares = [r["async/tokens_after_push"] for r in later]
+    assert all(0.0 <= share < 1.0 for share in shares), shares
+    assert sum(share > 0.0 for share in shares) >= 4, shares  # most pushes landed mid-batch
+    assert all(r["rollout_is_ratio_mean"] != 1.0 for r in later)  # correction on, samples stale
+    assert all(abs(r["loss"]) < 1e3 for r in later)

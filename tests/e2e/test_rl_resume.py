@@ -82,6 +82,16 @@ def _steps(output_dir) -> dict[int, dict]:
     return {r["current_steps"]: r for r in rows}
 
 
+def run_stopped_at(finished, copy, step: int):
+    """``copy``: the output folder ``finished`` had after step ``step`` (its checkpoint-``step``
+    and the trainer_log lines it had written by then), for a resume to go on from."""
+    shutil.copytree(finished / f"checkpoint-{step}", copy / f"checkpoint-{step}")
+    with open(finished / "trainer_log.jsonl", encoding="utf-8") as f:
+        lines = [line for line in f if json.loads(line)["current_steps"] <= step]
+    (copy / "trainer_log.jsonl").write_text("".join(lines))
+    return copy
+
+
 def test_killed_ppo_run_resumes_exactly_from_the_latest_complete_checkpoint(ray_session, tmp_path):
     a = run_exp(ppo_config(tmp_path / "a"))
     assert_rerun_of_a_finished_run_trains_nothing(ppo_config(tmp_path / "a"))
@@ -175,10 +185,7 @@ def test_grpo_resumed_from_a_named_checkpoint_repeats_the_unbroken_run(ray_sessi
     a = run_exp(grpo(tmp_path / "a"))
     assert (tmp_path / "a" / "checkpoint-5").is_dir()  # the last step, saved though 2 does not divide 5
     assert_rerun_of_a_finished_run_trains_nothing(grpo(tmp_path / "a"))
-    b_dir = tmp_path / "b"
-    shutil.copytree(tmp_path / "a" / "checkpoint-2", b_dir / "checkpoint-2")
-    with open(tmp_path / "a" / "trainer_log.jsonl", encoding="utf-8") as f:  # what B had logged by step 2
-        (b_dir / "trainer_log.jsonl").write_text("".join(line for line in f if json.loads(line)["current_steps"] <= 2))
+    b_dir = run_stopped_at(tmp_path / "a", tmp_path / "b", 2)
     resumed = run_exp(grpo(b_dir, resume_from_checkpoint=str(b_dir / "checkpoint-2")))
 
     a_steps, b_steps = _steps(a.output_dir), _steps(resumed.output_dir)

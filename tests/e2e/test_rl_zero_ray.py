@@ -10,9 +10,7 @@
 
 from __future__ import annotations
 
-import json
 import os
-import shutil
 
 import pytest
 from safetensors.torch import load_file
@@ -20,7 +18,7 @@ from safetensors.torch import load_file
 from cluster.driver import run_exp
 from stages.training.callbacks import read_log
 from tests.e2e.conftest import REPO_ROOT, example_config
-from tests.e2e.test_rl_resume import PARAM_TOL, _steps, ppo_config
+from tests.e2e.test_rl_resume import PARAM_TOL, _steps, ppo_config, run_stopped_at
 
 STEPS = 3
 
@@ -54,10 +52,7 @@ def test_ppo_zero2_roles_resume_from_their_deepspeed_checkpoint_exactly(ray_sess
     a = run_exp(ppo(tmp_path / "a"))
     for role in ("policy", "critic"):
         assert (tmp_path / "a" / "checkpoint-2" / role / "zero").is_dir(), role
-    b_dir = tmp_path / "b"
-    shutil.copytree(tmp_path / "a" / "checkpoint-2", b_dir / "checkpoint-2")
-    with open(tmp_path / "a" / "trainer_log.jsonl", encoding="utf-8") as f:  # what B had logged by step 2
-        (b_dir / "trainer_log.jsonl").write_text("".join(line for line in f if json.loads(line)["current_steps"] <= 2))
+    b_dir = run_stopped_at(tmp_path / "a", tmp_path / "b", 2)
     resumed = run_exp(ppo(b_dir, resume_from_checkpoint=str(b_dir / "checkpoint-2")))
 
     a_steps, b_steps = _steps(a.output_dir), _steps(resumed.output_dir)
