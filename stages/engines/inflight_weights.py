@@ -28,6 +28,7 @@ from contextlib import contextmanager
 from typing import Iterator, Optional
 
 from .types import Completion, SamplingSpec
+from .vllm_outputs import batch_completions
 
 DEFAULT_WAIT_S = 600.0  # how long a batch waits for the pushes sent before it
 
@@ -99,8 +100,6 @@ class InFlightReceiver:
                           wait_s: float = DEFAULT_WAIT_S) -> list[Completion]:
         """``generate_batch``'s completions, each token stamped with the engine's loads count when
         it was sampled; starts once ``after_loads`` pushes are loaded."""
-        from .vllm_backend import batch_completions
-
         self._require("generate_stepwise", offline=True)
         prompts, params, copies = self._batch_requests(prompt_ids, sampling, stream=True)
         self.gate.wait_for_loads(after_loads, wait_s)

@@ -31,6 +31,7 @@ from registries.errors import UserError
 from .types import Completion, GenerationRequest, SamplingSpec, StreamDelta, check_prompt_fits, collect
 from .inflight_weights import InFlightReceiver
 from .vllm_adapters import AdapterReceiver, engine_lora_rank
+from .vllm_outputs import batch_completions, sample_logprobs
 
 # vLLM imports this by name inside its worker process and mixes it into the worker class.
 WEIGHT_RECEIVER = "stages.engines.vllm_weights.WeightReceiver"
@@ -210,7 +211,7 @@ class VLLMEngine(AdapterReceiver, InFlightReceiver):
                         "length" if sample.finish_reason == "length" else "stop")  # "abort": the reader left
                     if not sample.token_ids and reason is None:
                         continue
-                    logprobs, top = _logprobs(sample, sampling.logprobs)
+                    logprobs, top = sample_logprobs(sample, sampling.logprobs)
                     for index in range(sample.index, sample.index + copies):
                         yield StreamDelta(list(sample.token_ids), logprobs, top, reason, index)
         finally:
@@ -282,37 +283,3 @@ def _sampling_params(sampling: SamplingSpec, max_tokens: int, n: int, seed: Opti
         logprobs=sampling.logprobs, detokenize=False,
         output_kind=RequestOutputKind.DELTA if stream else RequestOutputKind.FINAL_ONLY, **choice,
     )
-
-
-def batch_completions(samples_by_prompt: list, sampling: SamplingSpec, copies: int,
-                      versions: Optional[dict] = None) -> list[Completion]:
-    """Completions from each prompt's finished vLLM samples (``.index``, ``.token_ids``,
-    ``.finish_reason``, ``.logprobs``), in prompt order; ``versions``: (prompt, sample index) ->
-    each token's weights version (partial rollouts, stages/engines/inflight_weights.py)."""
-    completions = []
-    for prompt_index, samples in enumerate(samples_by_prompt):
-        for sample in sorted(samples, key=lambda s: s.index):
-            if sample.finish_reason not in ("stop", "length"):
-                raise RuntimeError(f"vLLM ended a completion of prompt {prompt_index} with {sample.finish_reason!r}")
-            logprobs, top = _logprobs(sample, sampling.logprobs)
-            stamps = None if versions is None else versions[prompt_index, sample.index]
-            for index in range(sample.index, sample.index + copies):
-                completions.append(Completion(list(sample.token_ids), sample.finish_reason, logprobs, top,
-                                              index, prompt_index, versions=stamps))
-    return completions
-
-
-def _logprobs(sample, top: Optional[int]):
-    """vLLM's per-step dicts (the chosen token plus the ``top`` most likely, each with its rank) as
-    (chosen log-probs, top pairs per step)."""
-    if top is None:
-        return None, None
-    steps = list(zip(sample.logprobs or (), sample.token_ids))
-    chosen = [step[token].logprob for step, token in steps]
-    if top <= 0:
-        return chosen, [()] * len(chosen)
-    pairs = []
-    for step, _ in steps:
-        best = sorted((lp.rank, -lp.logprob, tid) for tid, lp in step.items() if lp.rank is not None and lp.rank <= top)
-        pairs.append(tuple((tid, -neg) for _rank, neg, tid in best[:top]))
-    return chosen, pairs
