@@ -97,8 +97,8 @@ class RayRoles(PPORoles):
                     out.append(c)
                 offset += len(shard)
             busy = (min(s for s, _ in spans), max(e for _, e in spans)) if spans else None
-            newer = None if after_loads is None else share_after_push(out, after_loads)
-            return Generation(out, busy, newer_tokens=newer)
+            after_push = None if after_loads is None else share_after_push(out, after_loads)
+            return Generation(out, busy, tokens_after_push=after_push)
 
         return RayPending(refs, finish)
 

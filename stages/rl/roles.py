@@ -40,7 +40,7 @@ class Generation:
     busy: Optional[tuple[float, float]] = None
     samples: Optional[list[RolloutSample]] = None  # multi-turn: the trajectories (completions is empty)
     version: Optional[int] = None  # multi-turn: the weights' version when its first turn was sent
-    newer_tokens: Optional[float] = None  # partial rollouts: share of tokens sampled after an in-flight push
+    tokens_after_push: Optional[float] = None  # partial rollouts: share of tokens sampled after an in-flight push
 
 
 class RLRoles(Protocol):

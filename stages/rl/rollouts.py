@@ -157,8 +157,8 @@ class RolloutSource:
             if generation.version is not None:
                 entry.version = generation.version
         figures["async/staleness"] = step - 1 - entry.version
-        if generation.newer_tokens is not None:  # partial rollouts: fresher than the stamp
-            figures["async/tokens_after_push"] = generation.newer_tokens
+        if generation.tokens_after_push is not None:  # partial rollouts: fresher than the stamp
+            figures["async/tokens_after_push"] = generation.tokens_after_push
         figures.update(self._engine_time(generation))
         samples = (generation.samples if generation.samples is not None
                    else group_samples(entry.batch, generation.completions, self.sampling.n))
