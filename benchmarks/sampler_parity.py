@@ -28,6 +28,7 @@ from harness import REPO_ROOT, format_table, machine_line, write_json
 
 MODEL = "demo:smollm2-135m-instruct"
 SAMPLES, COMPLETION = 8, 32
+REWARDS = {"final_number": 1.0, "short_answer": 0.5}  # the run's reward_funcs and reward_weights
 COLUMNS = [("backend", "backend", "{}"), ("seeds", "seeds", "{}"), ("samples", "samples", "{}"),
            ("reward", "reward", "{}"), ("final_number", "final_number", "{}"), ("short_answer", "short_answer", "{}"),
            ("length", "length", "{}"), ("stopped", "stopped", "{}"), ("s / batch", "seconds", "{:.0f}")]
@@ -42,7 +43,7 @@ def sample(backend: str, prompts: int, seed: int) -> dict:
 
     from stages.engines.types import SamplingSpec
     from stages.loading import resolve_model_path
-    from stages.rl.rewards import final_number, short_answer
+    from stages.rl.rewards import load_reward_funcs
 
     path = resolve_model_path(MODEL)
     tokenizer = AutoTokenizer.from_pretrained(path)
@@ -67,11 +68,12 @@ def sample(backend: str, prompts: int, seed: int) -> dict:
     seconds = time.perf_counter() - start
     texts = [tokenizer.decode(c.token_ids, skip_special_tokens=True) for c in completions]
     refs = [rows[c.prompt_index]["output"] for c in completions]
-    final = final_number(None, texts, refs)
-    short = short_answer(None, texts, [c.token_ids for c in completions])
-    per_sample = [{"prompt": c.prompt_index, "reward": a + 0.5 * b, "final_number": a, "short_answer": b,
-                   "length": len(c.token_ids), "stopped": float(c.finish_reason == "stop")}
-                  for c, a, b in zip(completions, final, short)]
+    scores = load_reward_funcs(list(REWARDS), list(REWARDS.values())).score(
+        [""] * len(texts), texts, {"reference": refs, "completion_ids": [c.token_ids for c in completions]})
+    per_sample = [{"prompt": c.prompt_index, "reward": total, "length": len(c.token_ids),
+                   "stopped": float(c.finish_reason == "stop"),
+                   **{name: scores.per_function[name][i] for name in REWARDS}}
+                  for i, (c, total) in enumerate(zip(completions, scores.total))]
     return {"samples": per_sample, "seconds": seconds}
 
 
