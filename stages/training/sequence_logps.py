@@ -28,6 +28,7 @@ from torch.utils.checkpoint import checkpoint
 from registries.tokenize import IGNORE_INDEX
 
 from stages.training.chunked_loss import head_hands_back
+from stages.training.heap_release import releases_heap
 
 FORWARD_COLUMNS = ("input_ids", "attention_mask", "position_ids")
 # A vision-language model's images (stages/training/vision_collators.py), where the batch has them.
@@ -110,20 +111,18 @@ class SequenceLogpsMixin:
         self.chunked_loss = chunked_loss
         self.chunked_loss_tokens = chunked_loss_tokens
         self._chunking: dict[int, int | None] = {}  # id(unwrapped model) -> tokens per chunk, None: full logits
-        self._releases_heap: bool | None = None  # heap_release.releases_heap(self.args), decided on the first pass
+        self._releases_heap = releases_heap(self.args)
 
     def sequence_logps(self, model, inputs: dict, prefix: str = "") -> tuple[torch.Tensor, torch.Tensor]:
         from accelerate.utils import extract_model_from_parallel
 
         from stages.training.chunked_loss import chunk_tokens_of
-        from stages.training.heap_release import heap_released, releases_heap
+        from stages.training.heap_release import heap_released
 
         unwrapped = extract_model_from_parallel(model)
         if id(unwrapped) not in self._chunking:
             self._chunking[id(unwrapped)] = chunk_tokens_of(unwrapped, self.chunked_loss, self.chunked_loss_tokens,
                                                             AUTO_CHUNK_VALUES)
-        if self._releases_heap is None:
-            self._releases_heap = releases_heap(self.args)
         # Each pass's freed blocks go back to the system before the next pass extends the heap.
         with heap_released(self._releases_heap):
             return sequence_logps(model, inputs, prefix, self._chunking[id(unwrapped)])
