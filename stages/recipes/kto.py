@@ -23,6 +23,7 @@ from stages.job import StageJob
 from stages.recipes.preference import BatchMetricsMixin, Reference, disable_dropout
 from stages.training.reference_logps import PrecomputedReferenceMixin
 from stages.training.sequence_logps import SequenceLogpsMixin
+from stages.training.shared_prefix import SharedPrefixes, recording, reusing
 
 
 @dataclass
@@ -76,7 +77,8 @@ class KTOTrainer(PrecomputedReferenceMixin, SequenceLogpsMixin, BatchMetricsMixi
 
     Per batch: one forward pass of the policy on the tagged answers (with gradients), one on the
     mismatched KL answers (without: the KL term is detached anyway), and the reference on both
-    (or its log-probs from the data: reference_logps.py).
+    (or its log-probs from the data: reference_logps.py). Each KL pass may reuse its model's keys
+    of the prompt from the answers' pass (stages/training/shared_prefix.py).
     """
 
     def __init__(self, *args, finetuning_args, reference: Reference, **kwargs):
@@ -87,19 +89,26 @@ class KTOTrainer(PrecomputedReferenceMixin, SequenceLogpsMixin, BatchMetricsMixi
         self.precompute_setting = finetuning_args.precompute_ref_log_probs
         reference.prepare(self)
 
+    def answer_and_kl_logps(self, model, batch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(summed log-probs of the answers, their label counts, the KL answers' summed log-probs):
+        the answers with gradients as the caller has them, the KL answers without. Where the batch
+        was laid out to share prompts, the KL pass attends to the answers' pass's kept keys."""
+        shared = SharedPrefixes.of(batch)
+        with recording(shared):
+            logps, lengths = self.sequence_logps(model, batch)
+        with torch.no_grad(), reusing(shared):
+            kl_logps, _ = self.sequence_logps(model, batch, "kl_")
+        return logps, lengths, kl_logps
+
     def reference_columns(self, model, batch) -> dict[str, torch.Tensor]:
         """The reference's summed log-probs of a batch's answers and KL answers, as data columns."""
-        return {
-            "ref_logps": self.reference.logps(model, lambda m: self.sequence_logps(m, batch))[0],
-            "kl_ref_logps": self.reference.logps(model, lambda m: self.sequence_logps(m, batch, "kl_"))[0],
-        }
+        ref_logps, _, kl_ref_logps = self.reference.logps(model, lambda m: self.answer_and_kl_logps(m, batch))
+        return {"ref_logps": ref_logps, "kl_ref_logps": kl_ref_logps}
 
     def batch_loss(self, model, inputs) -> tuple[torch.Tensor, dict[str, float]]:
         args = self.finetuning_args
         tags = inputs["kto_tags"].bool()
-        logps, lengths = self.sequence_logps(model, inputs)
-        with torch.no_grad():
-            kl_logps, _ = self.sequence_logps(model, inputs, "kl_")
+        logps, lengths, kl_logps = self.answer_and_kl_logps(model, inputs)
         if "ref_logps" in inputs:
             ref_logps, ref_kl_logps = inputs["ref_logps"], inputs["kl_ref_logps"]
         else:

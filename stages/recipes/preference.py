@@ -124,7 +124,7 @@ class Reference:
             self.model = self.model.to(trainer.args.device)
         self.model.eval()
 
-    def logps(self, policy, compute) -> tuple[torch.Tensor, torch.Tensor]:
+    def logps(self, policy, compute) -> tuple[torch.Tensor, ...]:
         """Reference (summed log-probs, label counts) for a batch, without gradients: ``compute(model)``
         runs the batch through the model it is given; ``policy`` is the model the Trainer hands ``compute_loss``."""
         if self.kind not in ("model", "adapter_disabled"):

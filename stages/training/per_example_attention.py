@@ -166,13 +166,19 @@ def no_mask(*args, attention_mask=None, **kwargs):
     return None
 
 
+# Attention functions for padding-free rows, by name: this one, and those that build on it
+# (shared_prefix.py's adds itself when imported). All take their examples from the position ids.
+CUSTOM_ATTENTION = {PER_EXAMPLE_SDPA: per_example_sdpa}
+
+
 def register() -> None:
-    """Make PER_EXAMPLE_SDPA a name transformers' models look up (idempotent)."""
+    """Make every CUSTOM_ATTENTION name one transformers' models look up (idempotent)."""
     from transformers import AttentionInterface
     from transformers.masking_utils import AttentionMaskInterface
 
-    AttentionInterface.register(PER_EXAMPLE_SDPA, per_example_sdpa)
-    AttentionMaskInterface.register(PER_EXAMPLE_SDPA, no_mask)
+    for name, function in CUSTOM_ATTENTION.items():
+        AttentionInterface.register(name, function)
+        AttentionMaskInterface.register(name, no_mask)
 
 
 def attention_implementation(model) -> str:
@@ -194,7 +200,7 @@ def supports_per_example_sdpa(model) -> bool:
 
 def use_attention(model, implementation: str) -> None:
     """Set the attention ``model`` runs from its next forward on; the saved config does not keep it."""
-    if implementation == PER_EXAMPLE_SDPA:
+    if implementation in CUSTOM_ATTENTION:
         register()
     language_model(model).config._attn_implementation = implementation
 

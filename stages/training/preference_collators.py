@@ -20,6 +20,8 @@ from typing import Any
 import torch
 
 from stages.training.collators import PaddingCollator, PaddingFreeCollator, padding_free_layout, to_columns
+from stages.training.per_example_attention import PER_EXAMPLE_SDPA
+from stages.training.shared_prefix import SHARED_PREFIX_SDPA, lay_out_suffixes, shared_lengths
 from stages.training.vision_collators import is_vision_model, vision_pairwise_collator
 
 SEQUENCE_COLUMNS = ("input_ids", "attention_mask", "labels")
@@ -72,12 +74,28 @@ class PairwiseCollator(SequenceCollator):
 
 @dataclass
 class KTOCollator(SequenceCollator):
-    """kto: the answers, their mismatched KL answers (laid out on their own) and the tags."""
+    """kto: the answers, their mismatched KL answers (laid out on their own) and the tags.
+
+    With ``share_prompts`` (one padding-free row attended per example on sdpa), each KL sequence
+    keeps only what follows the tokens it begins with like its answer; ``shared_prefix_lengths``
+    says how many, and the KL pass attends to the answers' pass's keys for them (shared_prefix.py)."""
+
+    share_prompts: bool = False
+
+    @property
+    def attention(self) -> str | None:
+        return SHARED_PREFIX_SDPA if self.share_prompts else super().attention
 
     def __call__(self, features) -> dict[str, torch.Tensor]:
         columns = to_columns(features)
         batch = self.sequences(columns)
-        batch.update(self.sequences({name: columns[f"kl_{name}"] for name in SEQUENCE_COLUMNS}, prefix="kl_"))
+        if self.share_prompts:
+            lengths = shared_lengths(columns["input_ids"], columns["kl_input_ids"], columns["kl_labels"])
+            kl = lay_out_suffixes(columns["kl_input_ids"], columns["kl_labels"], lengths)
+            batch.update({f"kl_{name}": value for name, value in kl.items()})
+            batch["shared_prefix_lengths"] = torch.as_tensor(lengths, dtype=torch.long)
+        else:
+            batch.update(self.sequences({name: columns[f"kl_{name}"] for name in SEQUENCE_COLUMNS}, prefix="kl_"))
         batch["kto_tags"] = torch.as_tensor([bool(t) for t in columns["kto_tags"]], dtype=torch.bool)
         for name in ("ref_logps", "kl_ref_logps"):
             if name in columns:
@@ -110,6 +128,9 @@ def pairwise_collator(tokenizer, data_args, model=None, pad_to_multiple_of: int 
 
 
 def kto_collator(tokenizer, data_args, model=None, pad_to_multiple_of: int | None = None):
-    """kto: the answers plus their KL batch and tags, padded or padding-free."""
-    return KTOCollator.from_tokenizer(tokenizer, "right", pad_to_multiple_of=pad_to_multiple_of,
-                                      rows=_rows(tokenizer, data_args, model))
+    """kto: the answers plus their KL batch and tags, padded or padding-free; in one row attended
+    per example on sdpa, the KL answers share their prompts' keys with the answers."""
+    rows = _rows(tokenizer, data_args, model)
+    share = rows is not None and rows.one_row and rows.attention == PER_EXAMPLE_SDPA
+    return KTOCollator.from_tokenizer(tokenizer, "right", pad_to_multiple_of=pad_to_multiple_of, rows=rows,
+                                      share_prompts=share)

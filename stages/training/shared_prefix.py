@@ -1,0 +1,199 @@
+"""kto's KL answers attended after their prompt's keys and values, kept from the answers' pass.
+
+A kto batch runs each model (the policy, the reference) on two sequences per row that begin
+alike: the answer ``x + y`` and the KL answer ``x + y'``, the same prompt with another row's
+answer (registries/tokenize/feedback.py). Under causal attention a token's keys and values depend
+only on the tokens up to it, so the tokens both sequences begin with need not be computed twice:
+the answers' pass keeps every layer's keys and values of those tokens, and the KL pass runs only
+the rest of each KL sequence, attending to the kept keys before its own. The KL sequence restarts
+at its last prompt token at the latest, whose output predicts the answer's first token. On the
+benchmark's kto case (prompts about half of each sequence) that is half of two of kto's passes.
+
+``SHARED_PREFIX_SDPA`` is the attention of these batches: sdpa one example at a time
+(per_example_attention.py), in one of three modes a trainer sets around a forward:
+* ``recording(prefixes)``: each attention call (one per layer, in order) keeps, detached, the
+  keys and values of each example's first ``prefixes.lengths[i]`` tokens;
+* ``reusing(prefixes)``: the row holds the KL sequences' remaining tokens, at their true positions
+  (so rotary embeddings are right); each attends causally to its kept tokens and then its own;
+* neither: plain per-example sdpa. A backward that recomputes a checkpointed forward runs here.
+The KL passes' log-probs equal the unshared passes' to float rounding (tests/stages/test_shared_prefix.py);
+``reusing`` checks on leaving that every layer kept was used, so a model whose attention did not
+come through here fails loudly instead of scoring the KL answers without their prompts.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass, field
+from functools import lru_cache
+
+import torch
+import torch.nn.functional as F
+
+from registries.tokenize import IGNORE_INDEX
+
+from stages.training.per_example_attention import CUSTOM_ATTENTION, example_bounds, per_example_sdpa
+
+SHARED_PREFIX_SDPA = "sdpa_shared_prefix"
+
+
+@dataclass
+class SharedPrefixes:
+    """What one pair of passes shares: each example's count of shared first tokens, and, once
+    recorded, each layer's kept keys and values (views of the detached tensors)."""
+
+    lengths: list[int]  # tokens the second pass takes from the first, per example
+    suffix_lengths: list[int]  # tokens the second pass computes itself, per example
+    kept: list[list[tuple[torch.Tensor, torch.Tensor]]] = field(default_factory=list)  # [layer][example]
+
+    @classmethod
+    def of(cls, batch: dict, prefix: str = "kl_") -> "SharedPrefixes | None":
+        """The sharing a batch was laid out for (``shared_prefix_lengths``), None if it was not."""
+        lengths = batch.get("shared_prefix_lengths")
+        if lengths is None:
+            return None
+        owners = batch[prefix + "sequence_ids"].reshape(-1)
+        suffix = torch.bincount(owners[owners >= 0], minlength=lengths.numel())
+        return cls(lengths=lengths.tolist(), suffix_lengths=suffix.tolist())
+
+
+@dataclass
+class _Pass:
+    mode: str  # "record" or "reuse"
+    prefixes: SharedPrefixes
+    calls: int = 0
+
+
+_active: _Pass | None = None  # set only inside recording()/reusing(), around one forward
+
+
+@contextlib.contextmanager
+def _in_pass(mode: str, prefixes: SharedPrefixes | None):
+    global _active
+    if prefixes is None:
+        yield
+        return
+    if _active is not None:
+        raise RuntimeError(f"A shared-prefix pass ({_active.mode}) is already running; they do not nest.")
+    _active = _Pass(mode, prefixes)
+    try:
+        yield
+        done = _active
+    finally:
+        _active = None
+    if mode == "record" and not prefixes.kept:
+        raise RuntimeError(f"Nothing was kept for the KL answers: the model's attention is not {SHARED_PREFIX_SDPA}.")
+    if mode == "reuse" and done.calls != len(prefixes.kept):
+        raise RuntimeError(
+            f"The KL pass attended {done.calls} layer(s) through {SHARED_PREFIX_SDPA} but {len(prefixes.kept)} were "
+            "kept: its log-probs would miss their prompts. The model must run this attention in every layer."
+        )
+
+
+def recording(prefixes: SharedPrefixes | None):
+    """Keep each layer's keys and values of the shared tokens during the next forward (None: a no-op)."""
+    if prefixes is not None:
+        prefixes.kept.clear()
+    return _in_pass("record", prefixes)
+
+
+def reusing(prefixes: SharedPrefixes | None):
+    """Attend the next forward's sequences after their kept tokens (None: a no-op)."""
+    return _in_pass("reuse", prefixes)
+
+
+def shared_prefix_sdpa(module, query, key, value, attention_mask, dropout: float = 0.0, scaling=None,
+                       is_causal=None, **kwargs):
+    """transformers' attention-function signature, as per_example_sdpa."""
+    current = _active
+    if current is not None and current.mode == "reuse":
+        for name in ("softcap", "s_aux"):  # as per_example_sdpa: score changes sdpa cannot make
+            if kwargs.get(name) is not None:
+                raise RuntimeError(f"{SHARED_PREFIX_SDPA} cannot apply {name}; this model needs its own attention.")
+        return _attend_after_kept(current, query, key, value, dropout, scaling, kwargs.get("sliding_window"))
+    if current is not None:
+        _keep(current.prefixes, key, value, kwargs.get("position_ids"))
+    return per_example_sdpa(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
+                            is_causal=is_causal, **kwargs)
+
+
+def _keep(prefixes: SharedPrefixes, key: torch.Tensor, value: torch.Tensor, position_ids) -> None:
+    starts = example_bounds(position_ids[0])[:-1]
+    if len(starts) != len(prefixes.lengths):
+        raise RuntimeError(f"The answers' row holds {len(starts)} examples but {len(prefixes.lengths)} share a prefix.")
+    key, value = key.detach(), value.detach()
+    prefixes.kept.append([(key[:, :, s : s + n], value[:, :, s : s + n]) for s, n in zip(starts, prefixes.lengths)])
+
+
+def _attend_after_kept(current: _Pass, query, key, value, dropout, scaling, window):
+    """(1, heads, tokens, head_dim) suffix row in, (1, tokens, heads, head_dim) out."""
+    prefixes = current.prefixes
+    if current.calls >= len(prefixes.kept):
+        raise RuntimeError(f"The KL pass has more attention layers than the answers' pass kept ({len(prefixes.kept)}).")
+    kept = prefixes.kept[current.calls]
+    current.calls += 1
+    if sum(prefixes.suffix_lengths) != query.shape[2]:
+        raise RuntimeError(f"The KL row has {query.shape[2]} tokens; its sequences add up to {sum(prefixes.suffix_lengths)}.")
+    gqa = query.shape[1] != key.shape[1]
+    pieces, start = [], 0
+    for (kept_key, kept_value), length in zip(kept, prefixes.suffix_lengths):
+        end = start + length
+        k = torch.cat((kept_key, key[:, :, start:end]), dim=2)
+        v = torch.cat((kept_value, value[:, :, start:end]), dim=2)
+        mask = after_prefix_mask(length, kept_key.shape[2], window, query.device)
+        if gqa and mask is not None:  # as per_example_attention._causal_sdpa: grouped keys only without a mask
+            groups = query.shape[1] // k.shape[1]
+            k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
+        out = F.scaled_dot_product_attention(query[:, :, start:end], k, v, attn_mask=mask, dropout_p=dropout,
+                                             is_causal=mask is None, scale=scaling, enable_gqa=gqa and mask is None)
+        pieces.append(out.transpose(1, 2))
+        start = end
+    return torch.cat(pieces, dim=1), None
+
+
+@lru_cache(maxsize=64)
+def after_prefix_mask(queries: int, kept: int, window: int | None, device) -> torch.Tensor | None:
+    """Query t (position kept + t) sees keys 0 .. kept + t, within ``window`` of it; None: plain causal."""
+    if kept == 0 and (window is None or queries <= window):
+        return None
+    position = torch.arange(queries, device=device)[:, None] + kept
+    keys = torch.arange(kept + queries, device=device)[None, :]
+    allowed = keys <= position
+    if window is not None:
+        allowed &= keys > position - window
+    return allowed
+
+
+CUSTOM_ATTENTION[SHARED_PREFIX_SDPA] = shared_prefix_sdpa
+
+
+# ------------------------------------------------------------------------------ the layout
+
+
+def shared_lengths(input_ids, kl_input_ids, kl_labels) -> list[int]:
+    """Per example, the KL sequence's first tokens the answers' pass can attend for it: those both
+    sequences begin with, ending before the KL answer's last unlabelled token (its output predicts
+    the answer's first token, so the KL pass computes it)."""
+    lengths = []
+    for ids, kl_ids, labels in zip(input_ids, kl_input_ids, kl_labels):
+        common = 0
+        for a, b in zip(ids, kl_ids):
+            if a != b:
+                break
+            common += 1
+        first_label = next((i for i, label in enumerate(labels) if label != IGNORE_INDEX), len(labels))
+        lengths.append(max(0, min(common, first_label - 1)))
+    return lengths
+
+
+def lay_out_suffixes(kl_input_ids, kl_labels, lengths: list[int]) -> dict[str, torch.Tensor]:
+    """The KL sequences without their shared tokens, end to end in one row at their true positions,
+    with ``sequence_ids``; each one's first label is unlabelled (a prompt token), as in any padding-free row."""
+    ids, labels, positions, owners = [], [], [], []
+    for index, (row, row_labels, shared) in enumerate(zip(kl_input_ids, kl_labels, lengths)):
+        ids += list(row[shared:])
+        labels += [IGNORE_INDEX] + list(row_labels[shared + 1 :])
+        positions += range(shared, len(row))
+        owners += [index] * (len(row) - shared)
+    return {name: torch.as_tensor([values], dtype=torch.long) for name, values in
+            (("input_ids", ids), ("labels", labels), ("position_ids", positions), ("sequence_ids", owners))}

@@ -1,0 +1,188 @@
+"""kto's KL passes attending to the answers' pass's kept prompt keys (stages/training/shared_prefix.py):
+the same log-probs, loss and gradients as computing every KL sequence in full, on fewer tokens."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM, TrainingArguments
+
+from registries.tokenize import IGNORE_INDEX
+from stages.recipes.kto import KTOTrainer
+from stages.recipes.preference import Reference
+from stages.run_args import FinetuningArguments
+from stages.training.collators import PaddingFreeCollator
+from stages.training.per_example_attention import PER_EXAMPLE_SDPA, SHORT_EXAMPLE, use_attention
+from stages.training.preference_collators import KTOCollator, kto_collator
+from stages.training.sequence_logps import sequence_logps
+from stages.training.shared_prefix import (
+    SHARED_PREFIX_SDPA, SharedPrefixes, lay_out_suffixes, recording, reusing, shared_lengths,
+)
+
+VOCAB = 97
+
+
+def tiny_model(kind: str = "llama", seed: int = 0):
+    torch.manual_seed(seed)
+    common = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=3, num_attention_heads=4,
+                  num_key_value_heads=2, max_position_embeddings=256, attn_implementation="sdpa", use_cache=False)
+    if kind == "mistral":  # a sliding window far shorter than the sequences: the kept keys must honour it
+        return MistralForCausalLM(MistralConfig(sliding_window=5, **common))
+    return LlamaForCausalLM(LlamaConfig(**common))
+
+
+def feedback_rows(count: int = 6, seed: int = 3) -> list[dict]:
+    """kto rows as the registries build them: each KL sequence is its row's prompt with the previous
+    row's answer. Prompt and answer lengths vary; one row is longer than SHORT_EXAMPLE (attended on
+    its own, not in the short examples' padded call), and one KL prompt is cut shorter (as cutoff_len
+    does when the borrowed answer is longer), so only part of it matches its answer's prompt."""
+    rng = torch.Generator().manual_seed(seed)
+    prompts = [torch.randint(3, VOCAB, (3 + 4 * i,), generator=rng).tolist() for i in range(count)]
+    prompts[2] = torch.randint(3, VOCAB, (SHORT_EXAMPLE + 10,), generator=rng).tolist()
+    answers = [torch.randint(3, VOCAB, (2 + (3 * i) % 7,), generator=rng).tolist() for i in range(count)]
+    rows = []
+    for i, (prompt, answer) in enumerate(zip(prompts, answers)):
+        kl_prompt = prompt[:-2] if i == 4 else prompt
+        kl_answer = answers[i - 1]
+        ids, kl_ids = prompt + answer, kl_prompt + kl_answer
+        rows.append({"input_ids": ids, "attention_mask": [1] * len(ids),
+                     "labels": [IGNORE_INDEX] * len(prompt) + answer,
+                     "kl_input_ids": kl_ids, "kl_attention_mask": [1] * len(kl_ids),
+                     "kl_labels": [IGNORE_INDEX] * len(kl_prompt) + kl_answer, "kto_tags": i % 3 != 0})
+    return rows
+
+
+def collator(share: bool) -> KTOCollator:
+    rows = PaddingFreeCollator(pad_token_id=0, one_row=True, attention=PER_EXAMPLE_SDPA)
+    return KTOCollator(pad_token_id=0, rows=rows, share_prompts=share)
+
+
+def grads(model) -> list[torch.Tensor]:
+    out = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad()
+    return out
+
+
+def test_shared_lengths_end_where_the_sequences_part_or_before_the_kl_answers_last_prompt_token():
+    ignore = IGNORE_INDEX
+    # The same 4-token prompt: 3 shared, the 4th (whose output predicts the KL answer) recomputed.
+    assert shared_lengths([[5, 6, 7, 8, 9, 10]], [[5, 6, 7, 8, 11]], [[ignore] * 4 + [11]]) == [3]
+    # The KL prompt was cut differently: only the tokens up to where they part are shared.
+    assert shared_lengths([[5, 6, 7, 8, 9, 10]], [[5, 6, 20, 21, 22, 11]], [[ignore] * 5 + [11]]) == [2]
+    # Nothing in common, a one-token prompt, or no labelled token at all.
+    assert shared_lengths([[5, 6, 7]], [[4, 6, 7, 8]], [[ignore] * 3 + [8]]) == [0]
+    assert shared_lengths([[5, 6, 7]], [[5, 8]], [[ignore, 8]]) == [0]
+    assert shared_lengths([[5, 6, 7]], [[5, 6, 7]], [[ignore] * 3]) == [2]
+
+
+def test_the_kl_row_holds_only_the_unshared_tokens_at_their_true_positions():
+    batch = lay_out_suffixes([[5, 6, 7, 8, 11], [4, 9, 9]], [[IGNORE_INDEX] * 4 + [11], [IGNORE_INDEX, 9, 9]], [3, 0])
+    assert batch["input_ids"].tolist() == [[8, 11, 4, 9, 9]]
+    assert batch["position_ids"].tolist() == [[3, 4, 0, 1, 2]]
+    assert batch["labels"].tolist() == [[IGNORE_INDEX, 11, IGNORE_INDEX, 9, 9]]
+    assert batch["sequence_ids"].tolist() == [[0, 0, 1, 1, 1]]
+
+
+@pytest.mark.parametrize("kind", ["llama", "mistral"])
+@pytest.mark.parametrize("chunk_tokens", [None, 4])
+def test_kl_logps_after_kept_prompts_equal_the_full_kl_pass(kind, chunk_tokens):
+    model = tiny_model(kind)
+    rows = feedback_rows()
+    use_attention(model, PER_EXAMPLE_SDPA)
+    full = collator(share=False)(rows)
+    logps, _ = sequence_logps(model, full, chunk_tokens=chunk_tokens)
+    logps.sum().backward()
+    expected_grads = grads(model)
+    with torch.no_grad():
+        expected_kl, expected_counts = sequence_logps(model, full, "kl_", chunk_tokens=chunk_tokens)
+
+    use_attention(model, SHARED_PREFIX_SDPA)
+    batch = collator(share=True)(rows)
+    lengths = batch["shared_prefix_lengths"].tolist()
+    prompts = [len(row["kl_labels"]) - sum(label != IGNORE_INDEX for label in row["kl_labels"]) for row in rows]
+    assert lengths == [p - 1 for p in prompts[:4]] + [prompts[4] - 1] + [prompts[5] - 1]
+    assert batch["kl_input_ids"].numel() == full["kl_input_ids"].numel() - sum(lengths)
+    shared = SharedPrefixes.of(batch)
+    with recording(shared):
+        shared_logps, _ = sequence_logps(model, batch, chunk_tokens=chunk_tokens)
+    shared_logps.sum().backward()
+    with torch.no_grad(), reusing(shared):
+        kl, counts = sequence_logps(model, batch, "kl_", chunk_tokens=chunk_tokens)
+    assert torch.equal(counts, expected_counts)
+    assert torch.allclose(kl, expected_kl, atol=1e-5, rtol=1e-5), (kl - expected_kl).abs().max()
+    assert torch.allclose(shared_logps, logps, atol=1e-6)
+    for got, want in zip(grads(model), expected_grads):
+        assert torch.allclose(got, want, atol=1e-6)
+    # Reusing another model's (here: perturbed) kept keys changes the KL answers' log-probs: they are used.
+    for layer in shared.kept:
+        layer[0] = (layer[0][0] + 1.0, layer[0][1])
+    with torch.no_grad(), reusing(shared):
+        wrong, _ = sequence_logps(model, batch, "kl_", chunk_tokens=chunk_tokens)
+    assert (wrong[0] - expected_kl[0]).abs() > 1e-3 and torch.allclose(wrong[1:], expected_kl[1:], atol=1e-5)
+
+
+@pytest.mark.parametrize("checkpointing", [False, True])
+def test_the_kto_trainers_loss_and_gradients_are_those_of_full_kl_passes(checkpointing, tmp_path):
+    import datasets
+
+    rows = feedback_rows()
+    losses, gradients = [], []
+    for share in (False, True):
+        model = tiny_model()
+        if checkpointing:  # the answers' forward is recomputed in the backward, outside the recording
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        model.train()
+        use_attention(model, SHARED_PREFIX_SDPA if share else PER_EXAMPLE_SDPA)
+        reference_model = tiny_model(seed=5).eval().requires_grad_(False)
+        with torch.no_grad():  # sharper, so random answers score lower than under the policy: a KL above 0
+            reference_model.lm_head.weight *= 8
+        args = TrainingArguments(output_dir=str(tmp_path), use_cpu=True, per_device_train_batch_size=2, report_to=[],
+                                 remove_unused_columns=False, save_strategy="no")
+        trainer = KTOTrainer(model=model, args=args, train_dataset=datasets.Dataset.from_list(rows),
+                             data_collator=collator(share), reference=Reference("model", copy.deepcopy(reference_model)),
+                             finetuning_args=FinetuningArguments(stage="kto", finetuning_type="full", pref_beta=0.3))
+        loss, metrics = trainer.batch_loss(trainer.model, collator(share)(rows))
+        loss.backward()
+        losses.append((loss.item(), metrics["kl"]))
+        gradients.append(grads(model))
+    assert losses[1][1] > 0  # the KL estimate is not clamped to 0: the KL passes count in the loss
+    assert losses[1] == pytest.approx(losses[0], rel=1e-6, abs=1e-6)
+    for got, want in zip(*gradients):
+        assert torch.allclose(got, want, atol=1e-6)
+
+
+def test_a_model_whose_attention_does_not_keep_or_reuse_fails_loudly():
+    model = tiny_model()
+    batch = collator(share=True)(feedback_rows())
+    use_attention(model, PER_EXAMPLE_SDPA)  # not the sharing attention: nothing is kept
+    with pytest.raises(RuntimeError, match="Nothing was kept"), torch.no_grad(), recording(SharedPrefixes.of(batch)):
+        sequence_logps(model, batch)
+    use_attention(model, SHARED_PREFIX_SDPA)
+    shared = SharedPrefixes.of(batch)
+    with torch.no_grad(), recording(shared):
+        sequence_logps(model, batch)
+    shared.kept.append(shared.kept[-1])  # one layer more kept than the KL pass attends
+    with pytest.raises(RuntimeError, match="attended 3 layer"), torch.no_grad(), reusing(shared):
+        sequence_logps(model, batch, "kl_")
+    del shared.kept[-2:]  # one fewer
+    with pytest.raises(RuntimeError, match="more attention layers"), torch.no_grad(), reusing(shared):
+        sequence_logps(model, batch, "kl_")
+
+
+def test_kto_batches_share_prompts_only_in_one_row_attended_per_example():
+    from types import SimpleNamespace
+
+    from transformers import PreTrainedTokenizerFast
+    from tokenizers import Tokenizer, models
+
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=Tokenizer(models.WordLevel({"<pad>": 0, "a": 1}, "<pad>")),
+                                        pad_token="<pad>")
+    data_args = SimpleNamespace(padding_free=None)
+    shared = kto_collator(tokenizer, data_args, tiny_model())
+    assert shared.share_prompts and shared.attention == SHARED_PREFIX_SDPA
+    eager = tiny_model()
+    eager.config._attn_implementation = "eager"  # rows as wide as the longest example: no sharing
+    assert not kto_collator(tokenizer, data_args, eager).share_prompts
+    assert not kto_collator(tokenizer, SimpleNamespace(padding_free=False), tiny_model()).share_prompts
