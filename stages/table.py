@@ -225,7 +225,7 @@ register_stage(StageSpec(
 ))
 register_stage(StageSpec(
     "dpo", "direct preference optimisation (pref_loss: sigmoid, hinge, ipo, orpo, simpo)",
-    dataset_need="ranking", tokenize="pairwise", collator="training.preference_collators:pairwise_collator",
+    dataset_need="ranking", tokenize="pairwise", collator="training.preference_collators:dpo_pair_collator",
     runner="recipes.dpo:run_dpo", keeps_extra_columns=True, needs_reference=_dpo_reference, takes_pref_loss=True,
     token_logps=True,
 ))

@@ -53,7 +53,17 @@ class SequenceCollator(PaddingCollator):
 
 @dataclass
 class PairwiseCollator(SequenceCollator):
-    """rm/dpo: ``2B`` sequences, all chosen first, then all rejected."""
+    """rm/dpo: ``2B`` sequences, all chosen first, then all rejected.
+
+    With ``share_prompts`` (dpo in one padding-free row attended per example on sdpa), each rejected
+    sequence keeps only what follows the tokens it begins with like its chosen one, and attends to
+    the chosen sequence's keys for those (``borrowed_from``/``borrowed_lengths``: shared_prefix.py)."""
+
+    share_prompts: bool = False
+
+    @property
+    def attention(self) -> str | None:
+        return SHARED_PREFIX_SDPA if self.share_prompts else super().attention
 
     def __call__(self, features) -> dict[str, torch.Tensor]:
         columns = to_columns(features)
@@ -66,7 +76,14 @@ class PairwiseCollator(SequenceCollator):
                 "stage rm or a text model. Use stage dpo, or a dataset without an images column."
             )
         stacked = {name: list(columns[f"chosen_{name}"]) + list(columns[f"rejected_{name}"]) for name in SEQUENCE_COLUMNS}
-        batch = self.sequences(stacked)
+        if self.share_prompts:
+            pairs = len(columns["chosen_input_ids"])
+            lengths = shared_lengths(columns["chosen_input_ids"], columns["rejected_input_ids"], columns["rejected_labels"])
+            batch = lay_out_suffixes(stacked["input_ids"], stacked["labels"], [0] * pairs + lengths)
+            batch["borrowed_from"] = torch.as_tensor([-1] * pairs + [i if n else -1 for i, n in enumerate(lengths)])
+            batch["borrowed_lengths"] = torch.as_tensor([0] * pairs + lengths)
+        else:
+            batch = self.sequences(stacked)
         if "chosen_ref_logps" in columns:
             batch["ref_logps"] = _floats(list(columns["chosen_ref_logps"]) + list(columns["rejected_ref_logps"]))
         return batch
@@ -127,10 +144,22 @@ def pairwise_collator(tokenizer, data_args, model=None, pad_to_multiple_of: int 
                                            rows=_rows(tokenizer, data_args, model))
 
 
+def dpo_pair_collator(tokenizer, data_args, model=None, pad_to_multiple_of: int | None = None):
+    """dpo: as ``pairwise_collator``; in one row attended per example on sdpa, each rejected answer
+    borrows its prompt's keys from the chosen sequence (rm's value head reads whole sequences: not there)."""
+    pairs = pairwise_collator(tokenizer, data_args, model, pad_to_multiple_of)
+    if isinstance(pairs, PairwiseCollator) and _shares_prompts(pairs.rows):
+        pairs.share_prompts = True
+    return pairs
+
+
+def _shares_prompts(rows: PaddingFreeCollator | None) -> bool:
+    return rows is not None and rows.one_row and rows.attention == PER_EXAMPLE_SDPA
+
+
 def kto_collator(tokenizer, data_args, model=None, pad_to_multiple_of: int | None = None):
     """kto: the answers plus their KL batch and tags, padded or padding-free; in one row attended
     per example on sdpa, the KL answers share their prompts' keys with the answers."""
     rows = _rows(tokenizer, data_args, model)
-    share = rows is not None and rows.one_row and rows.attention == PER_EXAMPLE_SDPA
     return KTOCollator.from_tokenizer(tokenizer, "right", pad_to_multiple_of=pad_to_multiple_of, rows=rows,
-                                      share_prompts=share)
+                                      share_prompts=_shares_prompts(rows))

@@ -29,6 +29,7 @@ from registries.tokenize import IGNORE_INDEX
 
 from stages.training.chunked_loss import head_hands_back
 from stages.training.heap_release import releases_heap
+from stages.training.shared_prefix import SHARED_PREFIX_SDPA, BorrowedPrefixes
 
 FORWARD_COLUMNS = ("input_ids", "attention_mask", "position_ids")
 # A vision-language model's images (stages/training/vision_collators.py), where the batch has them.
@@ -52,6 +53,9 @@ def sequence_logps(model, inputs: dict, prefix: str = "", chunk_tokens: int | No
 
     kwargs = {name: inputs[prefix + name] for name in FORWARD_COLUMNS + IMAGE_COLUMNS
               if inputs.get(prefix + name) is not None}
+    borrowed = BorrowedPrefixes.of(inputs, prefix)  # dpo pairs whose rejected answers reuse the prompt's keys
+    if borrowed is not None:
+        kwargs["borrowed_prefixes"] = borrowed
     labels = inputs[prefix + "labels"]
     owners = inputs.get(prefix + "sequence_ids")
     if owners is None:  # padded: row r is sequence r
@@ -74,6 +78,12 @@ def sequence_logps(model, inputs: dict, prefix: str = "", chunk_tokens: int | No
             hidden = hidden.to(head_dtype)  # a forward that upcast its "logits" upcast the hidden states
         hidden = hidden.reshape(-1, hidden.shape[-1]).index_select(0, keep)
         per_token = _chunked_logps(head_forward, hidden, targets, chunk_tokens)
+    if borrowed is not None and borrowed.calls == 0:
+        raise RuntimeError(
+            f"This batch's rejected answers begin with their prompt's keys from the chosen sequence, but the "
+            f"model's attention never read them: it must run {SHARED_PREFIX_SDPA}. Lay the pairs out without "
+            "borrowing (preference_collators.PairwiseCollator, share_prompts=False) for this model."
+        )
     sums = per_token.new_zeros(count).index_add(0, owners, per_token)
     lengths = torch.bincount(owners, minlength=count).to(torch.float32)
     return sums, lengths

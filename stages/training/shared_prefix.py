@@ -1,24 +1,29 @@
-"""kto's KL answers attended after their prompt's keys and values, kept from the answers' pass.
+"""Prompts attended once: kto's KL answers and dpo's rejected answers reuse their prompt's keys.
 
-A kto batch runs each model (the policy, the reference) on two sequences per row that begin
-alike: the answer ``x + y`` and the KL answer ``x + y'``, the same prompt with another row's
-answer (registries/tokenize/feedback.py). Under causal attention a token's keys and values depend
-only on the tokens up to it, so the tokens both sequences begin with need not be computed twice:
-the answers' pass keeps every layer's keys and values of those tokens, and the KL pass runs only
-the rest of each KL sequence, attending to the kept keys before its own. The KL sequence restarts
+Under causal attention a token's keys and values depend only on the tokens up to it, so two
+sequences that begin with the same tokens need those computed once. Both preference stages have
+such pairs (registries/tokenize/): kto's answer ``x + y`` and its KL answer ``x + y'`` (the same
+prompt with another row's answer), and dpo's chosen ``x + y_w`` and rejected ``x + y_l``. The
+second sequence of each then holds only what follows the shared tokens, at its true positions (so
+rotary embeddings are right), and attends causally to the shared keys before its own. It restarts
 at its last prompt token at the latest, whose output predicts the answer's first token. On the
-benchmark's kto case (prompts about half of each sequence) that is half of two of kto's passes.
+benchmark's reversal cases (prompts over half of each sequence, with the template) this takes half
+the tokens out of kto's two KL passes and a third out of every dpo pass, forward and backward.
 
 ``SHARED_PREFIX_SDPA`` is the attention of these batches: sdpa one example at a time
-(per_example_attention.py), in one of three modes a trainer sets around a forward:
-* ``recording(prefixes)``: each attention call (one per layer, in order) keeps, detached, the
-  keys and values of each example's first ``prefixes.lengths[i]`` tokens;
-* ``reusing(prefixes)``: the row holds the KL sequences' remaining tokens, at their true positions
-  (so rotary embeddings are right); each attends causally to its kept tokens and then its own;
-* neither: plain per-example sdpa. A backward that recomputes a checkpointed forward runs here.
-The KL passes' log-probs equal the unshared passes' to float rounding (tests/stages/test_shared_prefix.py);
-``reusing`` checks on leaving that every layer kept was used, so a model whose attention did not
-come through here fails loudly instead of scoring the KL answers without their prompts.
+(per_example_attention.py), with the shared keys from one of two places:
+* kto, two passes (the KL pass has no gradient, the answers' pass has): ``recording(prefixes)``
+  around the answers' forward keeps, detached, each layer's keys and values of every example's
+  first ``prefixes.lengths[i]`` tokens; ``reusing(prefixes)`` around the KL forward attends to
+  them. Outside both it is plain per-example sdpa (a checkpointed forward recomputed in the
+  backward runs there, unchanged). ``reusing`` checks on leaving that every kept layer was used;
+* dpo, one row: each rejected answer borrows the first tokens of its chosen sequence in the same
+  row (``BorrowedPrefixes``, a keyword of the model's forward that reaches every attention call,
+  recomputes included), and the gradient flows to the prompt's keys from both answers.
+A model whose attention does not come through here fails loudly instead of scoring answers without
+their prompts. Log-probs, losses and gradients equal the unshared batches' to float rounding
+(tests/stages/test_shared_prefix.py). The collators (preference_collators.py) lay batches out this
+way when they are one padding-free row attended per example on sdpa.
 """
 
 from __future__ import annotations
@@ -102,15 +107,43 @@ def reusing(prefixes: SharedPrefixes | None):
     return _in_pass("reuse", prefixes)
 
 
+@dataclass
+class BorrowedPrefixes:
+    """One row whose sequences may begin with the first tokens of another sequence of the same row
+    (dpo: each rejected answer's prompt is the chosen sequence's). Handed to the model's forward as
+    the ``borrowed_prefixes`` keyword, which transformers passes on to every attention call, a
+    checkpointed layer's recompute included; ``calls`` counts them, so a model that dropped it is caught."""
+
+    sequence_lengths: list[int]  # each sequence's own tokens in the row, in row order
+    lenders: list[int]  # the sequence whose first tokens each begins with; -1: none
+    counts: list[int]  # how many of them
+    calls: int = 0
+
+    @classmethod
+    def of(cls, batch: dict, prefix: str = "") -> "BorrowedPrefixes | None":
+        """The borrowing a batch was laid out with (``borrowed_from``, ``borrowed_lengths``), None if none."""
+        lenders = batch.get(prefix + "borrowed_from")
+        if lenders is None:
+            return None
+        owners = batch[prefix + "sequence_ids"].reshape(-1)
+        lengths = torch.bincount(owners[owners >= 0], minlength=lenders.numel())
+        return cls(lengths.tolist(), lenders.tolist(), batch[prefix + "borrowed_lengths"].tolist())
+
+
 def shared_prefix_sdpa(module, query, key, value, attention_mask, dropout: float = 0.0, scaling=None,
-                       is_causal=None, **kwargs):
+                       is_causal=None, borrowed_prefixes: BorrowedPrefixes | None = None, **kwargs):
     """transformers' attention-function signature, as per_example_sdpa."""
     current = _active
-    if current is not None and current.mode == "reuse":
+    window = kwargs.get("sliding_window")
+    if borrowed_prefixes is not None or (current is not None and current.mode == "reuse"):
         for name in ("softcap", "s_aux"):  # as per_example_sdpa: score changes sdpa cannot make
             if kwargs.get(name) is not None:
                 raise RuntimeError(f"{SHARED_PREFIX_SDPA} cannot apply {name}; this model needs its own attention.")
-        return _attend_after_kept(current, query, key, value, dropout, scaling, kwargs.get("sliding_window"))
+    if borrowed_prefixes is not None:
+        borrowed_prefixes.calls += 1
+        return _attend_borrowed(borrowed_prefixes, query, key, value, dropout, scaling, window)
+    if current is not None and current.mode == "reuse":
+        return _attend_after_kept(current, query, key, value, dropout, scaling, window)
     if current is not None:
         _keep(current.prefixes, key, value, kwargs.get("position_ids"))
     return per_example_sdpa(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
@@ -125,29 +158,47 @@ def _keep(prefixes: SharedPrefixes, key: torch.Tensor, value: torch.Tensor, posi
     prefixes.kept.append([(key[:, :, s : s + n], value[:, :, s : s + n]) for s, n in zip(starts, prefixes.lengths)])
 
 
+def _spans(lengths: list[int], tokens: int) -> list[tuple[int, int]]:
+    if sum(lengths) != tokens:
+        raise RuntimeError(f"The row has {tokens} tokens; its sequences add up to {sum(lengths)}.")
+    ends = torch.tensor(lengths).cumsum(0).tolist()
+    return [(end - length, end) for length, end in zip(lengths, ends)]
+
+
 def _attend_after_kept(current: _Pass, query, key, value, dropout, scaling, window):
-    """(1, heads, tokens, head_dim) suffix row in, (1, tokens, heads, head_dim) out."""
     prefixes = current.prefixes
     if current.calls >= len(prefixes.kept):
         raise RuntimeError(f"The KL pass has more attention layers than the answers' pass kept ({len(prefixes.kept)}).")
     kept = prefixes.kept[current.calls]
     current.calls += 1
-    if sum(prefixes.suffix_lengths) != query.shape[2]:
-        raise RuntimeError(f"The KL row has {query.shape[2]} tokens; its sequences add up to {sum(prefixes.suffix_lengths)}.")
+    return _attend_spans(query, key, value, _spans(prefixes.suffix_lengths, query.shape[2]), kept,
+                         dropout, scaling, window)
+
+
+def _attend_borrowed(borrowed: BorrowedPrefixes, query, key, value, dropout, scaling, window):
+    spans = _spans(borrowed.sequence_lengths, query.shape[2])
+    kept = []
+    for lender, count in zip(borrowed.lenders, borrowed.counts):
+        start = spans[lender][0] if lender >= 0 else 0
+        kept.append((key[:, :, start : start + count], value[:, :, start : start + count]))
+    return _attend_spans(query, key, value, spans, kept, dropout, scaling, window)
+
+
+def _attend_spans(query, key, value, spans, kept, dropout, scaling, window):
+    """(1, heads, tokens, head_dim) row in, (1, tokens, heads, head_dim) out: each span's queries
+    attend, causally from their offset, to the span's kept keys and then to its own."""
     gqa = query.shape[1] != key.shape[1]
-    pieces, start = [], 0
-    for (kept_key, kept_value), length in zip(kept, prefixes.suffix_lengths):
-        end = start + length
-        k = torch.cat((kept_key, key[:, :, start:end]), dim=2)
-        v = torch.cat((kept_value, value[:, :, start:end]), dim=2)
-        mask = after_prefix_mask(length, kept_key.shape[2], window, query.device)
+    pieces = []
+    for (start, end), (kept_key, kept_value) in zip(spans, kept):
+        k = torch.cat((kept_key, key[:, :, start:end]), dim=2) if kept_key.shape[2] else key[:, :, start:end]
+        v = torch.cat((kept_value, value[:, :, start:end]), dim=2) if kept_key.shape[2] else value[:, :, start:end]
+        mask = after_prefix_mask(end - start, kept_key.shape[2], window, query.device)
         if gqa and mask is not None:  # as per_example_attention._causal_sdpa: grouped keys only without a mask
             groups = query.shape[1] // k.shape[1]
             k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
         out = F.scaled_dot_product_attention(query[:, :, start:end], k, v, attn_mask=mask, dropout_p=dropout,
                                              is_causal=mask is None, scale=scaling, enable_gqa=gqa and mask is None)
         pieces.append(out.transpose(1, 2))
-        start = end
     return torch.cat(pieces, dim=1), None
 
 

@@ -1,5 +1,6 @@
-"""kto's KL passes attending to the answers' pass's kept prompt keys (stages/training/shared_prefix.py):
-the same log-probs, loss and gradients as computing every KL sequence in full, on fewer tokens."""
+"""Prompts attended once (stages/training/shared_prefix.py): kto's KL passes attend to the answers'
+pass's kept prompt keys, and dpo's rejected answers to their chosen sequence's, in the same row. The
+same log-probs, losses and gradients as computing every sequence in full, on fewer tokens."""
 
 from __future__ import annotations
 
@@ -10,12 +11,13 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM, TrainingArguments
 
 from registries.tokenize import IGNORE_INDEX
+from stages.recipes.dpo import PreferenceTrainer
 from stages.recipes.kto import KTOTrainer
 from stages.recipes.preference import Reference
 from stages.run_args import FinetuningArguments
 from stages.training.collators import PaddingFreeCollator
 from stages.training.per_example_attention import PER_EXAMPLE_SDPA, SHORT_EXAMPLE, use_attention
-from stages.training.preference_collators import KTOCollator, kto_collator
+from stages.training.preference_collators import KTOCollator, PairwiseCollator, kto_collator
 from stages.training.sequence_logps import sequence_logps
 from stages.training.shared_prefix import (
     SHARED_PREFIX_SDPA, SharedPrefixes, lay_out_suffixes, recording, reusing, shared_lengths,
@@ -171,18 +173,108 @@ def test_a_model_whose_attention_does_not_keep_or_reuse_fails_loudly():
         sequence_logps(model, batch, "kl_")
 
 
-def test_kto_batches_share_prompts_only_in_one_row_attended_per_example():
+# ---------------------------------------------------------------- dpo: rejected answers borrow the chosen's prompt
+
+
+def preference_pairs() -> list[dict]:
+    """dpo pairs from the kto rows: chosen the answer, rejected the KL sequence (the same prompt, one of
+    them cut shorter, with another answer)."""
+    return [{"chosen_input_ids": row["input_ids"], "chosen_attention_mask": row["attention_mask"],
+             "chosen_labels": row["labels"], "rejected_input_ids": row["kl_input_ids"],
+             "rejected_attention_mask": row["kl_attention_mask"], "rejected_labels": row["kl_labels"]}
+            for row in feedback_rows()]
+
+
+def pair_collator(share: bool) -> PairwiseCollator:
+    rows = PaddingFreeCollator(pad_token_id=0, one_row=True, attention=PER_EXAMPLE_SDPA)
+    return PairwiseCollator(pad_token_id=0, rows=rows, share_prompts=share)
+
+
+def test_a_shared_pair_row_holds_each_rejected_answer_after_its_chosen_sequences_prompt():
+    pairs = preference_pairs()
+    full, shared = pair_collator(False)(pairs), pair_collator(True)(pairs)
+    lengths = shared["borrowed_lengths"].tolist()
+    assert lengths[:6] == [0] * 6 and min(lengths[6:]) > 0
+    assert shared["borrowed_from"].tolist() == [-1] * 6 + list(range(6))
+    assert shared["input_ids"].numel() == full["input_ids"].numel() - sum(lengths)
+    # The second rejected answer starts at its prompt's last token, at its true position.
+    owners, positions = shared["sequence_ids"][0], shared["position_ids"][0]
+    second = positions[owners == 7]
+    assert second[0].item() == lengths[7] and len(second) == len(pairs[1]["rejected_input_ids"]) - lengths[7]
+
+
+@pytest.mark.parametrize("kind", ["llama", "mistral"])
+@pytest.mark.parametrize("checkpointing", [False, True])
+def test_borrowed_prompts_give_the_pairs_log_probs_and_gradients_of_full_sequences(kind, checkpointing):
+    pairs = preference_pairs()
+    results = []
+    for share in (False, True):
+        model = tiny_model(kind)
+        if checkpointing:  # the recompute in the backward must borrow too: the keyword travels with it
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        model.train()
+        use_attention(model, SHARED_PREFIX_SDPA if share else PER_EXAMPLE_SDPA)
+        logps, counts = sequence_logps(model, pair_collator(share)(pairs), chunk_tokens=5)
+        chosen, rejected = logps.chunk(2)
+        (chosen - 0.5 * rejected).sum().backward()
+        results.append((logps.detach(), counts, grads(model)))
+    (want, want_counts, want_grads), (got, got_counts, got_grads) = results
+    assert torch.equal(got_counts, want_counts)
+    assert torch.allclose(got, want, atol=1e-5, rtol=1e-5), (got - want).abs().max()
+    for a, b in zip(got_grads, want_grads):
+        assert torch.allclose(a, b, atol=1e-5, rtol=1e-4), (a - b).abs().max()
+
+
+@pytest.mark.parametrize("loss_type", ["sigmoid", "simpo"])
+def test_the_dpo_trainers_loss_is_that_of_full_pairs(loss_type, tmp_path):
+    import datasets
+
+    pairs = preference_pairs()
+    values = []
+    for share in (False, True):
+        model = tiny_model()
+        use_attention(model, SHARED_PREFIX_SDPA if share else PER_EXAMPLE_SDPA)
+        reference_model = tiny_model(seed=5).eval().requires_grad_(False)
+        use_attention(reference_model, SHARED_PREFIX_SDPA if share else PER_EXAMPLE_SDPA)
+        args = TrainingArguments(output_dir=str(tmp_path), use_cpu=True, per_device_train_batch_size=2, report_to=[],
+                                 remove_unused_columns=False, save_strategy="no")
+        reference = Reference("none" if loss_type == "simpo" else "model", None if loss_type == "simpo" else reference_model)
+        trainer = PreferenceTrainer(model=model, args=args, train_dataset=datasets.Dataset.from_list(pairs),
+                                    data_collator=pair_collator(share), reference=reference,
+                                    finetuning_args=FinetuningArguments(stage="dpo", finetuning_type="full",
+                                                                        pref_loss=loss_type, pref_beta=2.0))
+        loss, metrics = trainer.batch_loss(trainer.model, pair_collator(share)(pairs))
+        loss.backward()
+        values.append((loss.item(), metrics["rewards/margins"], grads(model)))
+    assert values[1][:2] == pytest.approx(values[0][:2], rel=1e-5, abs=1e-6)
+    assert values[0][0] != pytest.approx(0.693147, abs=1e-3)  # policy and reference differ: not a trivial log 2
+    for a, b in zip(values[1][2], values[0][2]):
+        assert torch.allclose(a, b, atol=1e-5, rtol=1e-4)
+
+
+def test_a_model_that_does_not_borrow_is_refused():
+    model = tiny_model()
+    use_attention(model, PER_EXAMPLE_SDPA)  # ignores the borrowed prompts: the rejected answers would miss them
+    with pytest.raises(RuntimeError, match="never read them"), torch.no_grad():
+        sequence_logps(model, pair_collator(True)(preference_pairs()))
+
+
+def test_kto_and_dpo_share_prompts_only_in_one_row_attended_per_example_and_rm_never():
     from types import SimpleNamespace
 
-    from transformers import PreTrainedTokenizerFast
     from tokenizers import Tokenizer, models
+    from transformers import PreTrainedTokenizerFast
+
+    from stages.training.preference_collators import dpo_pair_collator, pairwise_collator
 
     tokenizer = PreTrainedTokenizerFast(tokenizer_object=Tokenizer(models.WordLevel({"<pad>": 0, "a": 1}, "<pad>")),
                                         pad_token="<pad>")
     data_args = SimpleNamespace(padding_free=None)
-    shared = kto_collator(tokenizer, data_args, tiny_model())
-    assert shared.share_prompts and shared.attention == SHARED_PREFIX_SDPA
-    eager = tiny_model()
-    eager.config._attn_implementation = "eager"  # rows as wide as the longest example: no sharing
-    assert not kto_collator(tokenizer, data_args, eager).share_prompts
-    assert not kto_collator(tokenizer, SimpleNamespace(padding_free=False), tiny_model()).share_prompts
+    for factory in (kto_collator, dpo_pair_collator):
+        shared = factory(tokenizer, data_args, tiny_model())
+        assert shared.share_prompts and shared.attention == SHARED_PREFIX_SDPA
+        eager = tiny_model()
+        eager.config._attn_implementation = "eager"  # rows as wide as the longest example: no sharing
+        assert not factory(tokenizer, data_args, eager).share_prompts
+        assert not factory(tokenizer, SimpleNamespace(padding_free=False), tiny_model()).share_prompts
+    assert not pairwise_collator(tokenizer, data_args, tiny_model()).share_prompts  # rm's value head
