@@ -166,17 +166,17 @@ def no_mask(*args, attention_mask=None, **kwargs):
     return None
 
 
-# Attention functions for padding-free rows, by name: this one, and those that build on it
-# (shared_prefix.py's adds itself when imported). All take their examples from the position ids.
-CUSTOM_ATTENTION = {PER_EXAMPLE_SDPA: per_example_sdpa}
+# Attention functions for padding-free rows built on this one, by name (shared_prefix.py's adds
+# itself when imported). Like it, they take their examples from the position ids and need no mask.
+CUSTOM_ATTENTION: dict = {}
 
 
 def register() -> None:
-    """Make every CUSTOM_ATTENTION name one transformers' models look up (idempotent)."""
+    """Make PER_EXAMPLE_SDPA and every CUSTOM_ATTENTION name ones transformers' models look up (idempotent)."""
     from transformers import AttentionInterface
     from transformers.masking_utils import AttentionMaskInterface
 
-    for name, function in CUSTOM_ATTENTION.items():
+    for name, function in {PER_EXAMPLE_SDPA: per_example_sdpa, **CUSTOM_ATTENTION}.items():
         AttentionInterface.register(name, function)
         AttentionMaskInterface.register(name, no_mask)
 
@@ -200,7 +200,7 @@ def supports_per_example_sdpa(model) -> bool:
 
 def use_attention(model, implementation: str) -> None:
     """Set the attention ``model`` runs from its next forward on; the saved config does not keep it."""
-    if implementation in CUSTOM_ATTENTION:
+    if implementation == PER_EXAMPLE_SDPA or implementation in CUSTOM_ATTENTION:
         register()
     language_model(model).config._attn_implementation = implementation
 
