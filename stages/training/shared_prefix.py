@@ -37,7 +37,7 @@ import torch.nn.functional as F
 
 from registries.tokenize import IGNORE_INDEX
 
-from stages.training.per_example_attention import CUSTOM_ATTENTION, example_bounds, per_example_sdpa
+from stages.training.per_example_attention import CUSTOM_ATTENTION, SHORT_EXAMPLE, example_bounds, per_example_sdpa
 
 SHARED_PREFIX_SDPA = "sdpa_shared_prefix"
 
@@ -67,6 +67,7 @@ class _Pass:
     mode: str  # "record" or "reuse"
     prefixes: SharedPrefixes
     calls: int = 0
+    plan: "SpanPlan | None" = None  # reuse: made at the first layer, the same for the others
 
 
 _active: _Pass | None = None  # set only inside recording()/reusing(), around one forward
@@ -118,6 +119,7 @@ class BorrowedPrefixes:
     lenders: list[int]  # the sequence whose first tokens each begins with; -1: none
     counts: list[int]  # how many of them
     calls: int = 0
+    plan: "SpanPlan | None" = None  # made at the first layer, the same for the others
 
     @classmethod
     def of(cls, batch: dict, prefix: str = "") -> "BorrowedPrefixes | None":
@@ -171,35 +173,110 @@ def _attend_after_kept(current: _Pass, query, key, value, dropout, scaling, wind
         raise RuntimeError(f"The KL pass has more attention layers than the answers' pass kept ({len(prefixes.kept)}).")
     kept = prefixes.kept[current.calls]
     current.calls += 1
-    return _attend_spans(query, key, value, _spans(prefixes.suffix_lengths, query.shape[2]), kept,
-                         dropout, scaling, window)
+    # The kept keys go after the row's own in one source tensor the plan indexes.
+    source_key = torch.cat([key] + [k for k, _ in kept], dim=2)
+    source_value = torch.cat([value] + [v for _, v in kept], dim=2)
+    if current.plan is None:
+        counts = [k.shape[2] for k, _ in kept]
+        starts = (query.shape[2] + torch.tensor([0] + counts[:-1]).cumsum(0)).tolist()
+        current.plan = SpanPlan.of(_spans(prefixes.suffix_lengths, query.shape[2]), starts, counts, window, query.device)
+    return current.plan.attend(query, source_key, source_value, dropout, scaling)
 
 
 def _attend_borrowed(borrowed: BorrowedPrefixes, query, key, value, dropout, scaling, window):
-    spans = _spans(borrowed.sequence_lengths, query.shape[2])
-    kept = []
-    for lender, count in zip(borrowed.lenders, borrowed.counts):
-        start = spans[lender][0] if lender >= 0 else 0
-        kept.append((key[:, :, start : start + count], value[:, :, start : start + count]))
-    return _attend_spans(query, key, value, spans, kept, dropout, scaling, window)
+    if borrowed.plan is None:
+        spans = _spans(borrowed.sequence_lengths, query.shape[2])
+        starts = [spans[lender][0] if lender >= 0 else 0 for lender in borrowed.lenders]
+        borrowed.plan = SpanPlan.of(spans, starts, borrowed.counts, window, query.device)
+    return borrowed.plan.attend(query, key, value, dropout, scaling)
 
 
-def _attend_spans(query, key, value, spans, kept, dropout, scaling, window):
-    """(1, heads, tokens, head_dim) row in, (1, tokens, heads, head_dim) out: each span's queries
-    attend, causally from their offset, to the span's kept keys and then to its own."""
-    gqa = query.shape[1] != key.shape[1]
-    pieces = []
-    for (start, end), (kept_key, kept_value) in zip(spans, kept):
-        k = torch.cat((kept_key, key[:, :, start:end]), dim=2) if kept_key.shape[2] else key[:, :, start:end]
-        v = torch.cat((kept_value, value[:, :, start:end]), dim=2) if kept_key.shape[2] else value[:, :, start:end]
-        mask = after_prefix_mask(end - start, kept_key.shape[2], window, query.device)
-        if gqa and mask is not None:  # as per_example_attention._causal_sdpa: grouped keys only without a mask
-            groups = query.shape[1] // k.shape[1]
-            k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
-        out = F.scaled_dot_product_attention(query[:, :, start:end], k, v, attn_mask=mask, dropout_p=dropout,
-                                             is_causal=mask is None, scale=scaling, enable_gqa=gqa and mask is None)
-        pieces.append(out.transpose(1, 2))
-    return torch.cat(pieces, dim=1), None
+@dataclass
+class SpanPlan:
+    """How one row's sequences are attended, each to its kept keys (``count`` of them from ``start``
+    in a source tensor) and then its own: made once per forward, the same in every layer. As in
+    per_example_attention.ExamplePlan, sequences under SHORT_EXAMPLE tokens share one padded call
+    (with a mask per sequence), where a call of their own costs more than their attention."""
+
+    long: list[tuple[int, int, torch.Tensor, torch.Tensor | None]]  # (start, end, source key positions, mask)
+    short_queries: torch.Tensor | None = None  # (sequences x longest) row positions, pads at 0
+    short_keys: torch.Tensor | None = None  # (sequences x most keys) source positions, pads at 0
+    short_mask: torch.Tensor | None = None  # (sequences, 1, longest, most keys)
+    short_real: torch.Tensor | None = None  # the padded output's rows that are real queries, in row order
+    row_order: torch.Tensor | None = None  # each row token's place in the call order; None: in order
+
+    @classmethod
+    def of(cls, spans, starts, counts, window, device) -> "SpanPlan":
+        def keys_of(i):
+            (start, end), kept = spans[i], range(starts[i], starts[i] + counts[i])
+            return list(kept) + list(range(start, end))
+
+        short = [i for i, (start, end) in enumerate(spans) if end - start < SHORT_EXAMPLE]
+        if len(short) < 2:
+            short = []
+        long = [i for i in range(len(spans)) if i not in set(short)]
+        plan = cls(long=[(spans[i][0], spans[i][1], torch.tensor(keys_of(i), device=device),
+                          after_prefix_mask(spans[i][1] - spans[i][0], counts[i], window, device)) for i in long])
+        order = [t for i in short for t in range(*spans[i])] + [t for i in long for t in range(*spans[i])]
+        if short:
+            longest = max(spans[i][1] - spans[i][0] for i in short)
+            most = max(counts[i] + spans[i][1] - spans[i][0] for i in short)
+            queries = torch.zeros(len(short), longest, dtype=torch.long)
+            keys = torch.zeros(len(short), most, dtype=torch.long)
+            mask = torch.zeros(len(short), 1, longest, most, dtype=torch.bool)
+            real = []
+            for j, i in enumerate(short):
+                (start, end), count = spans[i], counts[i]
+                queries[j, : end - start] = torch.arange(start, end)
+                keys[j, : count + end - start] = torch.tensor(keys_of(i))
+                # Query t (position count + t) sees keys 0 .. count + t of its own; pad queries see the
+                # same (a row with no key would be NaN) and are dropped.
+                position = torch.arange(longest)[:, None] + count
+                key = torch.arange(most)[None, :]
+                allowed = (key <= position) & (key < count + end - start)
+                if window is not None:
+                    allowed &= key > position - window
+                mask[j, 0] = allowed
+                real += range(j * longest, j * longest + end - start)
+            plan.short_queries, plan.short_keys = queries.flatten().to(device), keys.flatten().to(device)
+            plan.short_mask, plan.short_real = mask.to(device), torch.tensor(real, device=device)
+        if order != list(range(len(order))):
+            plan.row_order = torch.argsort(torch.tensor(order)).to(device)  # the inverse permutation
+        return plan
+
+    def attend(self, query, key, value, dropout, scaling):
+        """(1, heads, tokens, head_dim) queries and (1, kv heads, source tokens, head_dim) source keys
+        and values in, (1, tokens, heads, head_dim) out."""
+        gqa = query.shape[1] != key.shape[1]
+        pieces = []
+        if self.short_queries is not None:
+            sequences, longest, most = self.short_mask.shape[0], self.short_mask.shape[2], self.short_mask.shape[3]
+
+            def padded(x, index, length):  # (1, H, S, D) -> (sequences, H, length, D)
+                return x[0].index_select(1, index).view(x.shape[1], sequences, length, x.shape[3]).transpose(0, 1)
+
+            q = padded(query, self.short_queries, longest)
+            k, v = padded(key, self.short_keys, most), padded(value, self.short_keys, most)
+            out = _sdpa(q, k, v, self.short_mask, dropout, scaling, gqa)  # (sequences, H, longest, D)
+            heads, dim = out.shape[1], out.shape[3]
+            out = out.transpose(1, 2).reshape(sequences * longest, heads, dim)
+            pieces.append(out.index_select(0, self.short_real))
+        for start, end, keys, mask in self.long:
+            k, v = key.index_select(2, keys), value.index_select(2, keys)
+            pieces.append(_sdpa(query[:, :, start:end], k, v, mask, dropout, scaling, gqa)[0].transpose(0, 1))
+        out = torch.cat(pieces) if len(pieces) > 1 else pieces[0]
+        if self.row_order is not None:
+            out = out.index_select(0, self.row_order)
+        return out[None], None
+
+
+def _sdpa(q, k, v, mask, dropout, scaling, gqa):
+    """sdpa over (batch, heads, tokens, head_dim); ``mask`` None: plain causal."""
+    if gqa and mask is not None:  # as per_example_attention._causal_sdpa: grouped keys only without a mask
+        groups = q.shape[1] // k.shape[1]
+        k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout, is_causal=mask is None,
+                                          scale=scaling, enable_gqa=gqa and mask is None)
 
 
 @lru_cache(maxsize=64)
