@@ -67,7 +67,7 @@ class _Pass:
     mode: str  # "record" or "reuse"
     prefixes: SharedPrefixes
     calls: int = 0
-    plan: "SpanPlan | None" = None  # reuse: made at the first layer, the same for the others
+    plans: dict = field(default_factory=dict)  # reuse: sliding window (None: none) -> SpanPlan, made once
 
 
 _active: _Pass | None = None  # set only inside recording()/reusing(), around one forward
@@ -119,7 +119,9 @@ class BorrowedPrefixes:
     lenders: list[int]  # the sequence whose first tokens each begins with; -1: none
     counts: list[int]  # how many of them
     calls: int = 0
-    plan: "SpanPlan | None" = None  # made at the first layer, the same for the others
+    # sliding window (None: none) -> SpanPlan, made at the first layer with it: a model may mix
+    # layers with and without a window
+    plans: dict = field(default_factory=dict)
 
     @classmethod
     def of(cls, batch: dict, prefix: str = "") -> "BorrowedPrefixes | None":
@@ -176,19 +178,20 @@ def _attend_after_kept(current: _Pass, query, key, value, dropout, scaling, wind
     # The kept keys go after the row's own in one source tensor the plan indexes.
     source_key = torch.cat([key] + [k for k, _ in kept], dim=2)
     source_value = torch.cat([value] + [v for _, v in kept], dim=2)
-    if current.plan is None:
+    if window not in current.plans:
         counts = [k.shape[2] for k, _ in kept]
         starts = (query.shape[2] + torch.tensor([0] + counts[:-1]).cumsum(0)).tolist()
-        current.plan = SpanPlan.of(_spans(prefixes.suffix_lengths, query.shape[2]), starts, counts, window, query.device)
-    return current.plan.attend(query, source_key, source_value, dropout, scaling)
+        spans = _spans(prefixes.suffix_lengths, query.shape[2])
+        current.plans[window] = SpanPlan.of(spans, starts, counts, window, query.device)
+    return current.plans[window].attend(query, source_key, source_value, dropout, scaling)
 
 
 def _attend_borrowed(borrowed: BorrowedPrefixes, query, key, value, dropout, scaling, window):
-    if borrowed.plan is None:
+    if window not in borrowed.plans:
         spans = _spans(borrowed.sequence_lengths, query.shape[2])
         starts = [spans[lender][0] if lender >= 0 else 0 for lender in borrowed.lenders]
-        borrowed.plan = SpanPlan.of(spans, starts, borrowed.counts, window, query.device)
-    return borrowed.plan.attend(query, key, value, dropout, scaling)
+        borrowed.plans[window] = SpanPlan.of(spans, starts, borrowed.counts, window, query.device)
+    return borrowed.plans[window].attend(query, key, value, dropout, scaling)
 
 
 @dataclass

@@ -8,7 +8,9 @@ import copy
 
 import pytest
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM, TrainingArguments
+from transformers import (
+    LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM, Qwen2Config, Qwen2ForCausalLM, TrainingArguments,
+)
 
 from registries.tokenize import IGNORE_INDEX
 from stages.recipes.dpo import PreferenceTrainer
@@ -32,6 +34,8 @@ def tiny_model(kind: str = "llama", seed: int = 0):
                   num_key_value_heads=2, max_position_embeddings=256, attn_implementation="sdpa", use_cache=False)
     if kind == "mistral":  # a sliding window far shorter than the sequences: the kept keys must honour it
         return MistralForCausalLM(MistralConfig(sliding_window=5, **common))
+    if kind == "qwen2-mixed":  # the first layer attends in full, the others within a window
+        return Qwen2ForCausalLM(Qwen2Config(use_sliding_window=True, sliding_window=5, max_window_layers=1, **common))
     return LlamaForCausalLM(LlamaConfig(**common))
 
 
@@ -87,7 +91,7 @@ def test_the_kl_row_holds_only_the_unshared_tokens_at_their_true_positions():
     assert batch["sequence_ids"].tolist() == [[0, 0, 1, 1, 1]]
 
 
-@pytest.mark.parametrize("kind", ["llama", "mistral"])
+@pytest.mark.parametrize("kind", ["llama", "mistral", "qwen2-mixed"])
 @pytest.mark.parametrize("chunk_tokens", [None, 4])
 def test_kl_logps_after_kept_prompts_equal_the_full_kl_pass(kind, chunk_tokens):
     model = tiny_model(kind)
@@ -203,7 +207,7 @@ def test_a_shared_pair_row_holds_each_rejected_answer_after_its_chosen_sequences
     assert second[0].item() == lengths[7] and len(second) == len(pairs[1]["rejected_input_ids"]) - lengths[7]
 
 
-@pytest.mark.parametrize("kind", ["llama", "mistral"])
+@pytest.mark.parametrize("kind", ["llama", "mistral", "qwen2-mixed"])
 @pytest.mark.parametrize("checkpointing", [False, True])
 def test_borrowed_prompts_give_the_pairs_log_probs_and_gradients_of_full_sequences(kind, checkpointing):
     pairs = preference_pairs()
