@@ -154,6 +154,20 @@ def _load_scorer(spec: InferenceSpec):
 
 
 # Serve pickles the deployment class when the decorator runs: what it uses is defined above it.
+class _EventStream(StreamingResponse):
+    """A reply stream that takes Ray Serve's cancelled receive as the client's going away: when a
+    client disconnects mid-stream, Serve may cancel the request's receive before the disconnect
+    message arrives, and starlette would log that TaskCancelledError as a traceback."""
+
+    async def listen_for_disconnect(self, receive) -> None:
+        from ray.exceptions import TaskCancelledError
+
+        try:
+            await super().listen_for_disconnect(receive)
+        except TaskCancelledError:
+            return  # the same as http.disconnect: the caller cancels the stream
+
+
 @serve.deployment(name=DEPLOYMENT)
 @serve.ingress(api)
 class ChatServer:
@@ -357,7 +371,7 @@ class ChatServer:
                 await source.aclose()
             yield p.sse("[DONE]")
 
-        return StreamingResponse(events(), media_type="text/event-stream")
+        return _EventStream(events(), media_type="text/event-stream")
 
 
 # --- building the application ----------------------------------------------------------------
