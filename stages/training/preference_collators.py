@@ -32,10 +32,15 @@ class SequenceCollator(PaddingCollator):
     """Sequences padded, or laid out padding-free by ``rows``."""
 
     rows: PaddingFreeCollator | None = None
+    # Second sequences laid out after the tokens they share with the first (shared_prefix.py);
+    # only with one padding-free row attended per example on sdpa (the factories decide).
+    share_prompts: bool = False
 
     @property
     def attention(self) -> str | None:
         """The attention the padding-free rows need (StageJob.build_trainer sets it on the model)."""
+        if self.share_prompts:
+            return SHARED_PREFIX_SDPA
         return self.rows.attention if self.rows is not None else None
 
     @property
@@ -58,12 +63,6 @@ class PairwiseCollator(SequenceCollator):
     With ``share_prompts`` (dpo in one padding-free row attended per example on sdpa), each rejected
     sequence keeps only what follows the tokens it begins with like its chosen one, and attends to
     the chosen sequence's keys for those (``borrowed_from``/``borrowed_lengths``: shared_prefix.py)."""
-
-    share_prompts: bool = False
-
-    @property
-    def attention(self) -> str | None:
-        return SHARED_PREFIX_SDPA if self.share_prompts else super().attention
 
     def __call__(self, features) -> dict[str, torch.Tensor]:
         columns = to_columns(features)
@@ -96,12 +95,6 @@ class KTOCollator(SequenceCollator):
     With ``share_prompts`` (one padding-free row attended per example on sdpa), each KL sequence
     keeps only what follows the tokens it begins with like its answer; ``shared_prefix_lengths``
     says how many, and the KL pass attends to the answers' pass's keys for them (shared_prefix.py)."""
-
-    share_prompts: bool = False
-
-    @property
-    def attention(self) -> str | None:
-        return SHARED_PREFIX_SDPA if self.share_prompts else super().attention
 
     def __call__(self, features) -> dict[str, torch.Tensor]:
         columns = to_columns(features)
