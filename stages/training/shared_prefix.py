@@ -217,7 +217,7 @@ class SpanPlan:
         short = [i for i, (start, end) in enumerate(spans) if end - start < SHORT_EXAMPLE]
         if len(short) < 2:
             short = []
-        long = [i for i in range(len(spans)) if i not in set(short)]
+        long = [i for i in range(len(spans)) if i not in short]
         plan = cls(long=[(spans[i][0], spans[i][1], torch.tensor(keys_of(i), device=device),
                           after_prefix_mask(spans[i][1] - spans[i][0], counts[i], window, device)) for i in long])
         order = [t for i in short for t in range(*spans[i])] + [t for i in long for t in range(*spans[i])]
@@ -234,12 +234,8 @@ class SpanPlan:
                 keys[j, : count + end - start] = torch.tensor(keys_of(i))
                 # Query t (position count + t) sees keys 0 .. count + t of its own; pad queries see the
                 # same (a row with no key would be NaN) and are dropped.
-                position = torch.arange(longest)[:, None] + count
-                key = torch.arange(most)[None, :]
-                allowed = (key <= position) & (key < count + end - start)
-                if window is not None:
-                    allowed &= key > position - window
-                mask[j, 0] = allowed
+                # Pad queries see keys too (a row with none would be NaN); their outputs are dropped.
+                mask[j, 0] = _visible(longest, count, most, window, "cpu") & (torch.arange(most) < count + end - start)
                 real += range(j * longest, j * longest + end - start)
             plan.short_queries, plan.short_keys = queries.flatten().to(device), keys.flatten().to(device)
             plan.short_mask, plan.short_real = mask.to(device), torch.tensor(real, device=device)
@@ -287,11 +283,16 @@ def after_prefix_mask(queries: int, kept: int, window: int | None, device) -> to
     """Query t (position kept + t) sees keys 0 .. kept + t, within ``window`` of it; None: plain causal."""
     if kept == 0 and (window is None or queries <= window):
         return None
+    return _visible(queries, kept, kept + queries, window, device)
+
+
+def _visible(queries: int, kept: int, keys: int, window: int | None, device) -> torch.Tensor:
+    """(queries, keys) bool: query t, at position kept + t, sees keys 0 .. kept + t within ``window``."""
     position = torch.arange(queries, device=device)[:, None] + kept
-    keys = torch.arange(kept + queries, device=device)[None, :]
-    allowed = keys <= position
+    key = torch.arange(keys, device=device)[None, :]
+    allowed = key <= position
     if window is not None:
-        allowed &= keys > position - window
+        allowed &= key > position - window
     return allowed
 
 
