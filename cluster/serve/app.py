@@ -22,7 +22,7 @@ from typing import Any, AsyncIterator, Iterable, Optional
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse
 from ray import serve
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
@@ -34,6 +34,7 @@ from stages.training.value_head import VALUE_HEAD_FILE
 
 from . import protocol as p
 from .images import decode_image_url
+from .streams import EventStream
 from cluster.serve.serve_args import RequestLimits, ServeArguments, resolve_api_key
 
 DEPLOYMENT = "ChatServer"
@@ -154,20 +155,6 @@ def _load_scorer(spec: InferenceSpec):
 
 
 # Serve pickles the deployment class when the decorator runs: what it uses is defined above it.
-class _EventStream(StreamingResponse):
-    """A reply stream that takes Ray Serve's cancelled receive as the client's going away: when a
-    client disconnects mid-stream, Serve may cancel the request's receive before the disconnect
-    message arrives, and starlette would log that TaskCancelledError as a traceback."""
-
-    async def listen_for_disconnect(self, receive) -> None:
-        from ray.exceptions import TaskCancelledError
-
-        try:
-            await super().listen_for_disconnect(receive)
-        except TaskCancelledError:
-            return  # the same as http.disconnect: the caller cancels the stream
-
-
 @serve.deployment(name=DEPLOYMENT)
 @serve.ingress(api)
 class ChatServer:
@@ -335,7 +322,7 @@ class ChatServer:
         return (f"the request ran past this server's time budget of {self.limits.timeout_s:g} s "
                 "(serve_request_timeout_s) and was stopped; ask for fewer tokens (max_tokens) or fewer choices (n).")
 
-    def _stream(self, body: p.ChatCompletionRequest, prepared, tools) -> StreamingResponse:
+    def _stream(self, body: p.ChatCompletionRequest, prepared, tools) -> EventStream:
         cid, name = p.completion_id(), body.model
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
         budget = _TimeBudget(self.limits.timeout_s)
@@ -371,7 +358,7 @@ class ChatServer:
                 await source.aclose()
             yield p.sse("[DONE]")
 
-        return _EventStream(events(), media_type="text/event-stream")
+        return EventStream(events(), media_type="text/event-stream")
 
 
 # --- building the application ----------------------------------------------------------------
