@@ -41,7 +41,7 @@ class Episodes:
         rl = run.spec.rl
         self.run = run
         self.name = rl.environment
-        self.make = environment_factory(rl.environment, rl.environment_kwargs, rl.tools, run.template)
+        self.make = environment_factory(rl.environment, rl.environment_kwargs, rl.tools, run.template, rl.sandbox)
         self.max_turns = rl.max_turns
         self.turn_tokens = rl.max_turn_tokens or rl.max_completion_length
         self.budget = rl.max_completion_length
@@ -91,11 +91,13 @@ def episodes_for(run: RLRun) -> Optional[Episodes]:
     return Episodes(run) if run.spec.rl.multi_turn else None
 
 
-def environment_factory(spec: str, kwargs: dict, tool_specs: list[str], template) -> Callable[[], Environment]:
-    """A fresh environment per episode: the built-in ``tools`` with the listed tools, parsing replies
-    in the template's tool format, or the class ``spec`` names called with ``kwargs``."""
+def environment_factory(spec: str, kwargs: dict, tool_specs: list[str], template,
+                        sandbox: str = "isolated") -> Callable[[], Environment]:
+    """A fresh environment per episode: the built-in ``tools`` with the listed tools (the python
+    tool's programs run ``sandbox``), parsing replies in the template's tool format, or the class
+    ``spec`` names called with ``kwargs``."""
     if spec == "tools":
-        tools = load_tools(tool_specs)
+        tools = load_tools(tool_specs, sandbox=sandbox)
         return lambda: ToolEnvironment(tools, template.extract_tool_calls)
     factory = load_environment(spec)
 

@@ -58,6 +58,9 @@ class RLArguments:
     tools: list[str] = field(default_factory=list)  # built-ins calculator, python; or "module.path:tool"
     max_turns: int = 4  # policy turns per trajectory
     max_turn_tokens: Optional[int] = None  # one policy turn's cap; None: max_completion_length
+    # The python tool's sandbox (stages/rl/sandbox.py): isolated, or the run is refused where a piece
+    # of the isolation cannot be enforced; unisolated runs the policy's programs without it (warned).
+    sandbox: Literal["isolated", "unisolated"] = "isolated"
     # --- rewards --------------------------------------------------------------------------------
     # "module.path:function" or a built-in name (stages/rl/rewards.py); one float per completion.
     reward_funcs: list[str] = field(default_factory=list)
@@ -262,6 +265,9 @@ class RLArguments:
                 "environment_kwargs are the arguments of a custom environment (environment: module.path:Class); "
                 f"with environment {self.environment!r} nothing would read them. Remove them or name your class.",
             )
+        if self.sandbox == "unisolated":
+            logger.warning("sandbox: unisolated: the python tool will run the policy's programs WITHOUT isolation "
+                           "(they can read and write whatever the run can); remove the key to isolate them.")
         for name in ("max_turns", "max_turn_tokens"):
             if getattr(self, name) is not None and getattr(self, name) < 1:
                 raise ArgumentError(name, f"{name} must be at least 1, got {getattr(self, name)}.")

@@ -1,33 +1,34 @@
-"""A sandboxed Python executor: each call runs code in a fresh, limited interpreter process.
+"""A sandboxed Python executor: each call runs code in a fresh, isolated interpreter process.
 
-``run_python(code, limits) -> SandboxResult``. What is enforced comes from the run itself (the
-boot program reports each step the kernel accepted), never from assumptions; ``result.enforced``
-says it per run. On Linux as root, or where unprivileged user namespaces are allowed:
+``run_python(code, limits) -> SandboxResult``. Isolated (the default) or refused: every piece below
+is put in place for each run, and where one cannot be, no code runs and ``SandboxUnavailable``
+names the piece; a caller accepts running without isolation only by asking for
+``sandbox="unisolated"`` (the RL config's ``sandbox: unisolated``). Isolated, on Linux as root:
 
-* wall-clock timeout: the parent kills the launcher's process group; the guard (PID 1 of a fresh
-  PID namespace) dies with it and the kernel kills everything else in that namespace;
-* CPU time: RLIMIT_CPU (SIGXCPU at the soft limit, SIGKILL a second later);
-* memory: RLIMIT_AS on the worker (an allocation past it raises MemoryError);
+* filesystem: a fresh minimal root (stages/rl/sandbox_root.py) with read-only binds of the
+  interpreter's standard library and the system's shared libraries, nothing else of the host's:
+  no /etc/shadow, /root, /home, project checkout, caches or venv; ``pivot_root`` into it;
+* work dir: /tmp, a tmpfs of ``disk_bytes`` owned by the sandbox user, gone with the run;
+* user: uid/gid 65534 with no capabilities and no_new_privs; every mount nosuid (and nodev but for
+  /dev's five device files), so nothing it writes is owned by uid 0 or setuid-effective;
+* memory: a memory cgroup for the whole process tree (stages/rl/sandbox_cgroup.py), plus
+  RLIMIT_AS on each process (an allocation past it raises MemoryError, a readable end);
+* processes: the same cgroup's ``pids.max``;
+* network: a network namespace with a loopback that is down: TCP, UDP, IPv4 and IPv6 reach
+  nothing, abstract Unix sockets are the namespace's own, and no host socket file is in the root;
+* processes seen: a PID namespace; /proc shows the sandbox user's processes only;
+* wall clock: the parent kills the launcher's process group and the cgroup; the guard (PID 1 of
+  the namespace) dies with it and the kernel kills everything else in the namespace;
+* CPU time: RLIMIT_CPU, SIGXCPU at the limit and SIGKILL a second later (a program that ignores
+  SIGXCPU is still reported as stopped by the CPU limit);
 * output: stdout + stderr read up to ``max_output_bytes``, then the run is killed;
-* processes: a pids cgroup (``pids.max``) where the cgroup hierarchy is writable, plus
-  RLIMIT_NPROC, which Linux does NOT apply to root (uid 0 is exempt whatever its capabilities);
-* files: RLIMIT_FSIZE (size of any file written), RLIMIT_NOFILE (open descriptors);
-* network: a new network namespace with only a loopback device that is down: no connection
-  anywhere, 127.0.0.1 included; abstract Unix sockets of the host are out of reach too;
-* filesystem: a private mount namespace where every mount is remounted read-only except the work
-  dir (a fresh temporary directory, seen as /tmp/work, deleted afterwards); /tmp, /var/tmp, /run
-  and /dev/shm are empty tmpfs mounts (so filesystem Unix sockets there are hidden); /proc is the
-  new PID namespace's own (host processes are invisible);
-* privileges: the worker enters a new user namespace, losing every capability in the host's
-  namespaces (it cannot remount, raise hard rlimits or mount anything the host sees);
+* files: RLIMIT_FSIZE (each file), RLIMIT_NOFILE (open descriptors);
 * environment: none inherited (only PATH), ``python -I -S`` (no site-packages, no PYTHON*).
 
-Not enforced, even on Linux: reading files the caller's uid can read (the sandbox keeps that uid:
-the interpreter and its standard library must stay readable, and root's /root is 0700); filesystem
-Unix sockets outside the hidden directories; CPU share (the worker can use a whole core until its
-CPU-time limit) and kernel memory not counted in the address space. Without namespaces (not Linux,
-or a kernel that refuses them) only the rlimits, the output cap, the process-group kill and the
-empty environment hold; ``result.enforced`` then says network and filesystem are False.
+Not covered: system calls are not filtered (no seccomp: the kernel's attack surface is an
+unprivileged process's), CPU share (a core until the CPU-time limit) and the time it takes.
+Unisolated, only the rlimits (RLIMIT_NPROC too), the output cap, the process-group kill and the
+empty environment hold; the code can read and write whatever the caller can.
 """
 
 from __future__ import annotations
@@ -41,16 +42,23 @@ import subprocess
 import sys
 import tempfile
 import time
-import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
 
 from registries.errors import UserError
 
-BOOT = (Path(__file__).parent / "sandbox_boot.py").read_text()
-MEMORY_EXIT, FILE_SIZE_EXIT, SETUP_EXIT, PROCESSES_EXIT = 213, 214, 215, 216
-CGROUP_ROOTS = ("/sys/fs/cgroup/pids", "/sys/fs/cgroup/unified", "/sys/fs/cgroup")  # v1 pids, hybrid v2, v2
+from .sandbox_cgroup import CgroupUnavailable, RunCgroup, make_cgroup
+
+HERE = Path(__file__).parent
+BOOT = (HERE / "sandbox_boot.py").read_text()
+EXITS = {"memory": 213, "file_size": 214, "setup": 215, "processes": 216, "disk": 217}
+SANDBOX_UID = 65534  # nobody: the code's uid and gid, never root's
+MODES = ("isolated", "unisolated")
+PIECES = ("minimal_root", "work_dir_size", "unprivileged_user", "memory_cgroup", "processes_cgroup",
+          "network", "pid_namespace")
+OPT_IN = ("To run the code without isolation anyway (it can then read and write whatever this process can), "
+          "set `sandbox: unisolated` in the RL config (run_python(..., sandbox='unisolated')).")
 MB = 1 << 20
 
 
@@ -58,15 +66,35 @@ class SandboxError(UserError):
     """The sandbox could not run code at all (not: the code failed, which is a result)."""
 
 
+class SandboxUnavailable(SandboxError):
+    """A piece of the isolation cannot be enforced here, so the code was not run."""
+
+    def __init__(self, piece: str):
+        self.piece = piece
+        super().__init__(f"The Python sandbox cannot isolate code here, so it runs none: {piece}. {OPT_IN}")
+
+
 @dataclass(frozen=True)
 class SandboxLimits:
     wall_seconds: float = 10.0
     cpu_seconds: int = 5
-    memory_bytes: int = 512 * MB  # address space: the interpreter alone maps ~30 MB
+    memory_bytes: int = 512 * MB  # the whole run's (cgroup), and each process's address space
     max_output_bytes: int = 64 * 1024  # stdout and stderr together
     file_size_bytes: int = 16 * MB
+    disk_bytes: int = 64 * MB  # the work dir: a tmpfs, its pages counted in memory_bytes too
     max_open_files: int = 64
     max_processes: int = 32
+
+
+STOPS = {  # what result.stopped says for each limit
+    "wall_time": lambda l: f"the wall-clock limit ({l.wall_seconds:g} s)",
+    "cpu_time": lambda l: f"the CPU-time limit ({l.cpu_seconds} s)",
+    "memory": lambda l: f"the memory limit ({l.memory_bytes / MB:g} MiB for all its processes together)",
+    "output": lambda l: f"the output limit ({l.max_output_bytes / 1024:g} KiB)",
+    "file_size": lambda l: f"the file-size limit ({l.file_size_bytes / MB:g} MiB per file)",
+    "disk": lambda l: f"disk full: the work directory's size limit ({l.disk_bytes / MB:g} MiB)",
+    "processes": lambda l: f"the process limit ({l.max_processes} processes)",
+}
 
 
 @dataclass
@@ -74,40 +102,48 @@ class SandboxResult:
     stdout: str
     stderr: str
     exit_code: Optional[int]  # negative: killed by that signal; None: killed by the parent
-    limit: Optional[str]  # what stopped it: wall_time, cpu_time, memory, output, file_size, processes
+    limit: Optional[str]  # what stopped it: a key of STOPS
     elapsed: float
     truncated: bool = False  # output was cut at max_output_bytes
-    enforced: dict[str, bool] = field(default_factory=dict)  # what this run's isolation achieved
-    notes: list[str] = field(default_factory=list)  # why a protection is missing
+    enforced: dict[str, bool] = field(default_factory=dict)  # each piece of isolation: all True, or unisolated
     processes_capped: bool = False  # a fork was refused by the pids cgroup (whatever stopped the run)
+    limits: SandboxLimits = SandboxLimits()
 
     @property
     def ok(self) -> bool:
         return self.exit_code == 0 and self.limit is None
 
+    @property
+    def stopped(self) -> str:
+        """The line "[stopped: ...]" naming what ended the run; "" when the program ended by itself."""
+        if self.limit:
+            return f"[stopped: {STOPS[self.limit](self.limits)}]"
+        if self.exit_code is not None and self.exit_code < 0:
+            try:
+                name = signal.Signals(-self.exit_code).name
+            except ValueError:  # a real-time signal has no name
+                name = f"signal {-self.exit_code}"
+            return f"[stopped: killed by {name}]"
+        return ""
 
-def run_python(code: str, limits: SandboxLimits = SandboxLimits()) -> SandboxResult:
-    """Run ``code`` (the text of a Python program) in a sandbox; its stdout/stderr come back."""
-    work_dir = tempfile.mkdtemp(prefix="rayfactory-sandbox-")
-    cgroup = _make_cgroup(limits.max_processes)
+
+def run_python(code: str, limits: SandboxLimits = SandboxLimits(), sandbox: str = "isolated") -> SandboxResult:
+    """Run ``code`` (the text of a Python program) in a sandbox; its stdout/stderr come back.
+    Raises SandboxUnavailable, and runs nothing, where ``sandbox="isolated"`` cannot be enforced."""
+    if sandbox not in MODES:
+        raise ValueError(f"sandbox must be one of {MODES}, got {sandbox!r}.")
+    isolated = sandbox == "isolated"
+    if isolated:
+        _check_platform()
+    cgroup = _cgroup(limits) if isolated else None
+    work_dir = None if isolated else tempfile.mkdtemp(prefix="rayfactory-sandbox-")
     status_r, status_w = os.pipe()
+    start = time.monotonic()
     try:
-        Path(work_dir, "main.py").write_text(code)
-        config = {"work_dir": work_dir, "cgroup": cgroup, "status_fd": status_w, "memory_exit": MEMORY_EXIT,
-                  "file_size_exit": FILE_SIZE_EXIT, "setup_exit": SETUP_EXIT,
-                  "processes_exit": PROCESSES_EXIT,
-                  "limits": {"cpu": limits.cpu_seconds, "memory": limits.memory_bytes,
-                             "fsize": limits.file_size_bytes, "nofile": limits.max_open_files,
-                             "nproc": limits.max_processes}}
-        start = time.monotonic()
-        try:
-            proc = subprocess.Popen(
-                [sys.executable, "-I", "-S", "-c", BOOT, json.dumps(config)], cwd=work_dir,
-                env={"PATH": "/usr/bin:/bin"},
-                stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE, pass_fds=(status_w,),
-                start_new_session=True)  # its own process group, killed whole
-        except OSError as exc:
-            raise SandboxError(f"The Python sandbox could not start {sys.executable}: {exc}.") from exc
+        with tempfile.TemporaryFile() as code_file:
+            code_file.write(code.encode())
+            code_file.seek(0)
+            proc = _start(_config(limits, isolated, status_w, code_file.fileno(), cgroup, work_dir), work_dir)
         os.close(status_w)
         status_w = -1
         return _collect(proc, status_r, limits, start, cgroup)
@@ -115,12 +151,58 @@ def run_python(code: str, limits: SandboxLimits = SandboxLimits()) -> SandboxRes
         for fd in (status_r, status_w):
             if fd >= 0:
                 os.close(fd)
-        _remove_cgroup(cgroup)
-        shutil.rmtree(work_dir, ignore_errors=True)
+        if cgroup:  # every process of the run, whatever group or session it moved to
+            cgroup.kill()
+            cgroup.remove()
+        if work_dir:
+            shutil.rmtree(work_dir, ignore_errors=True)
+
+
+def check_isolation() -> None:
+    """Raise SandboxUnavailable (naming the piece) unless an isolated run works here."""
+    result = run_python("print('isolated')")
+    if result.stdout != "isolated\n":
+        raise SandboxUnavailable(f"a test run ended {result.stopped or result.exit_code}: {result.stderr[-300:]!r}")
+
+
+def _check_platform() -> None:
+    if not sys.platform.startswith("linux"):
+        raise SandboxUnavailable(f"namespaces and cgroups are Linux's, this is {sys.platform}")
+    if os.geteuid() != 0:
+        raise SandboxUnavailable(f"the sandbox is built as root (mounts, namespaces, a memory cgroup, then uid "
+                                 f"{SANDBOX_UID}); this process runs as uid {os.geteuid()}")
+
+
+def _cgroup(limits: SandboxLimits) -> RunCgroup:
+    try:
+        return make_cgroup(limits.memory_bytes, limits.max_processes)
+    except CgroupUnavailable as exc:
+        raise SandboxUnavailable(f"memory and pids cgroup: {exc}") from None
+
+
+def _config(limits: SandboxLimits, isolated: bool, status_fd: int, code_fd: int, cgroup: Optional[RunCgroup],
+            work_dir: Optional[str]) -> dict:
+    return {"isolated": isolated, "status_fd": status_fd, "code_fd": code_fd, "work_dir": work_dir,
+            "cgroups": cgroup.dirs if cgroup else [], "uid": SANDBOX_UID, "exits": EXITS,
+            "root_module": str(HERE / "sandbox_root.py"),
+            "limits": {"cpu": limits.cpu_seconds, "memory": limits.memory_bytes, "fsize": limits.file_size_bytes,
+                       "disk": limits.disk_bytes, "nofile": limits.max_open_files, "nproc": limits.max_processes}}
+
+
+def _start(config: dict, work_dir: Optional[str]) -> subprocess.Popen:
+    # The interpreter itself, not a venv's link to it: only the interpreter is in the minimal root.
+    python = os.path.realpath(sys.executable or "")
+    try:
+        return subprocess.Popen(
+            [python, "-I", "-S", "-c", BOOT, json.dumps(config)], cwd=work_dir or "/", env={"PATH": "/usr/bin:/bin"},
+            stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+            pass_fds=(config["status_fd"], config["code_fd"]), start_new_session=True)  # its own group, killed whole
+    except OSError as exc:
+        raise SandboxError(f"The Python sandbox could not start {python}: {exc}.") from exc
 
 
 def _collect(proc: subprocess.Popen, status_r: int, limits: SandboxLimits, start: float,
-             cgroup: Optional[str]) -> SandboxResult:
+             cgroup: Optional[RunCgroup]) -> SandboxResult:
     """Read output and status until the run ends, a limit is hit, or its pipes stay open too long."""
     out = {proc.stdout.fileno(): bytearray(), proc.stderr.fileno(): bytearray()}
     status = bytearray()
@@ -150,26 +232,30 @@ def _collect(proc: subprocess.Popen, status_r: int, limits: SandboxLimits, start
             killed_for = "output"
             break
     selector.close()
-    _kill(proc, cgroup)
+    _kill(proc)
     elapsed = time.monotonic() - start
     report = _read_status(bytes(status))
-    if "error" in report:
-        raise SandboxError(f"The Python sandbox failed while setting up its isolation: {report['error']}.")
     stdout, stderr = (bytes(b) for b in out.values())
+    if "unavailable" in report:
+        raise SandboxUnavailable(report["unavailable"])
+    if "started" not in report:  # a bug in the setup, or the launcher was killed during it
+        raise SandboxError("The Python sandbox failed while setting up its isolation: "
+                           f"{report.get('error') or killed_for or stderr[-500:].decode(errors='replace')}.")
     truncated = len(stdout) + len(stderr) > limits.max_output_bytes
     if truncated:  # keep stdout first, then what room is left for stderr
         stdout = stdout[: limits.max_output_bytes]
         stderr = stderr[: limits.max_output_bytes - len(stdout)]
     exit_code = None if killed_for else _exit_code(report, proc)
+    capped = bool(cgroup) and cgroup.refused_forks()
     return SandboxResult(
         stdout=stdout.decode(errors="replace"), stderr=stderr.decode(errors="replace"), exit_code=exit_code,
-        limit=killed_for or _limit_from(exit_code, cgroup), elapsed=elapsed, truncated=truncated,
-        enforced=report.get("enforced", {}), notes=report.get("notes", []),
-        processes_capped=bool(cgroup) and _cgroup_refused_forks(cgroup))
+        limit=killed_for or _limit_from(exit_code, report, cgroup, capped, limits), elapsed=elapsed,
+        truncated=truncated, enforced={piece: cgroup is not None for piece in PIECES}, processes_capped=capped,
+        limits=limits)
 
 
 def _read_status(raw: bytes) -> dict:
-    """The boot program's JSON lines (enforced, then the worker's exit) merged into one dict."""
+    """The boot program's JSON lines (started, then the worker's end) merged into one dict."""
     merged: dict = {}
     for line in raw.decode(errors="replace").splitlines():
         try:
@@ -187,79 +273,29 @@ def _exit_code(report: dict, proc: subprocess.Popen) -> Optional[int]:
     return proc.returncode or 1  # the boot program died before it could report the worker's end
 
 
-def _limit_from(exit_code: Optional[int], cgroup: Optional[str]) -> Optional[str]:
+def _limit_from(exit_code: Optional[int], report: dict, cgroup: Optional[RunCgroup], capped: bool,
+                limits: SandboxLimits) -> Optional[str]:
     if exit_code == -signal.SIGXCPU:
         return "cpu_time"
-    if exit_code == MEMORY_EXIT:
+    if exit_code == EXITS["memory"] or (cgroup and cgroup.oom_kills()):  # a process of the tree was OOM-killed
         return "memory"
-    if exit_code == FILE_SIZE_EXIT:
+    if exit_code == -signal.SIGKILL and report.get("cpu", 0) >= limits.cpu_seconds:  # SIGXCPU ignored: the hard limit
+        return "cpu_time"
+    if exit_code == EXITS["file_size"]:
         return "file_size"
-    if exit_code == PROCESSES_EXIT or (exit_code and cgroup and _cgroup_refused_forks(cgroup)):
+    if exit_code == EXITS["disk"]:
+        return "disk"
+    if exit_code == EXITS["processes"] or (exit_code and capped):
         return "processes"
     return None
 
 
-def _kill(proc: subprocess.Popen, cgroup: Optional[str]) -> None:
-    """SIGKILL the whole run: its process group, then any member of its cgroup that escaped it."""
+def _kill(proc: subprocess.Popen) -> None:
+    """SIGKILL the run's process group (run_python then empties its cgroup of any escapee)."""
     try:
         os.killpg(proc.pid, signal.SIGKILL)
     except ProcessLookupError:
         pass
     proc.wait()
-    if cgroup:
-        for _ in range(50):
-            pids = _cgroup_pids(cgroup)
-            if not pids:
-                break
-            for pid in pids:
-                try:
-                    os.kill(pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
-            time.sleep(0.01)
     for stream in (proc.stdout, proc.stderr):
         stream.close()
-
-
-def _make_cgroup(max_processes: int) -> Optional[str]:
-    """A pids cgroup for one run, or None where no hierarchy lets us make one (not root, no v1/v2)."""
-    for root in CGROUP_ROOTS:
-        path = os.path.join(root, f"rayfactory-sandbox-{uuid.uuid4().hex[:12]}")
-        try:
-            os.mkdir(path)
-        except OSError:
-            continue
-        try:
-            Path(path, "pids.max").write_text(str(max_processes))
-            return path
-        except OSError:  # a v2 root without the pids controller: no pids.max here
-            _remove_cgroup(path)
-    return None
-
-
-def _cgroup_pids(cgroup: str) -> list[int]:
-    try:
-        return [int(p) for p in Path(cgroup, "cgroup.procs").read_text().split()]
-    except OSError:
-        return []
-
-
-def _cgroup_refused_forks(cgroup: str) -> bool:
-    try:
-        events = dict(line.split() for line in Path(cgroup, "pids.events").read_text().splitlines())
-    except (OSError, ValueError):
-        return False
-    return int(events.get("max", 0)) > 0
-
-
-def _remove_cgroup(cgroup: Optional[str]) -> None:
-    if not cgroup:
-        return
-    for _ in range(100):  # rmdir fails while the last killed members are being reaped
-        try:
-            os.rmdir(cgroup)
-            return
-        except FileNotFoundError:
-            return
-        except OSError:
-            time.sleep(0.01)

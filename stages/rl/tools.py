@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import ast
 import json
+import logging
 import math
 import operator
 from dataclasses import dataclass
@@ -32,9 +33,10 @@ from registries.synthetic.calculator import CALCULATOR
 from registries.templates.tools import FunctionCall
 from registries.unique import add_unique
 
-from .sandbox import SandboxLimits, run_python
+from .sandbox import SandboxLimits, SandboxUnavailable, check_isolation, run_python
 from .specs import resolve_spec
 
+logger = logging.getLogger(__name__)
 MAX_OBSERVATION_CHARS = 4000  # a tool's text beyond this is cut: observations cost context tokens
 
 
@@ -101,8 +103,10 @@ def register_tool(t: Tool) -> Tool:
     return add_unique(TOOLS, t.name, t, "Tool")
 
 
-def load_tools(specs: Iterable[str], run_modules: bool = True) -> list[Tool]:
-    """The tools ``specs`` name (built-in names or ``"module.path:attribute"``), names unique."""
+def load_tools(specs: Iterable[str], run_modules: bool = True, sandbox: Optional[str] = None) -> list[Tool]:
+    """The tools ``specs`` name (built-in names or ``"module.path:attribute"``), names unique. With
+    ``sandbox`` (the config's key: what a run passes) the built-in python tool is checked for it
+    (``_python_for``); without, it is the registered one, whose runs are isolated or refused."""
     specs = list(specs)
     found = [resolve_spec(s, TOOLS, "tool", ToolError, "Point the spec at a Tool, made with @tool(description, "
                           "parameters) from stages.rl.tools.", run_modules) for s in specs]
@@ -117,7 +121,7 @@ def load_tools(specs: Iterable[str], run_modules: bool = True) -> list[Tool]:
     if dupes:
         raise ToolError(f"The tools {specs} give the names {dupes} more than once; a call names its tool, so each "
                         "name must be unique. Rename one of them (@tool(..., name=...)).")
-    return found
+    return [_python_for(sandbox) if t is python and sandbox else t for t in found]
 
 
 def tools_json(tools: Iterable[Tool]) -> str:
@@ -191,20 +195,42 @@ def calculator(expression: str) -> str:
 # --- built-in: python ------------------------------------------------------------------------------
 
 PYTHON_TOOL_LIMITS = SandboxLimits()
+PYTHON_DESCRIPTION = ("Run a Python program in a sandbox (no network, no files but its own working directory, "
+                      "a few seconds of CPU) and return what it prints.")
+PYTHON_PARAMETERS = {"type": "object", "properties": {"code": {"type": "string", "description": "a whole Python "
+                                                               "program; print the values you need"}},
+                     "required": ["code"]}
 
 
-@tool("Run a Python program in a sandbox (no network, no files outside its working directory, a few "
-      "seconds of CPU) and return what it prints.",
-      {"type": "object", "properties": {"code": {"type": "string", "description": "a whole Python program; "
-                                                  "print the values you need"}}, "required": ["code"]}, name="python")
-def python(code: str) -> str:
-    result = run_python(code, PYTHON_TOOL_LIMITS)
-    text = result.stdout
-    if result.exit_code != 0 or result.limit:
-        text += result.stderr[-1000:]  # the traceback's end is what explains the failure
-    if result.limit:
-        text += f"\n[stopped: the sandbox's {result.limit.replace('_', ' ')} limit]"
-    return text if text.strip() else "(no output)"
+def python_tool(sandbox: str = "isolated") -> Tool:
+    """The python tool, running each program ``sandbox`` (stages/rl/sandbox.py): "isolated", or
+    refused where that cannot be enforced; "unisolated" only as the config's explicit opt-in."""
+    def python(code: str) -> str:
+        result = run_python(code, PYTHON_TOOL_LIMITS, sandbox)
+        text = result.stdout
+        if result.exit_code != 0 or result.limit:
+            text += result.stderr[-1000:]  # the traceback's end is what explains the failure
+        if result.stopped:  # kept whole: the observation's cap (MAX_OBSERVATION_CHARS) cuts the text before it
+            text = text[:MAX_OBSERVATION_CHARS - len(result.stopped) - 1] + "\n" + result.stopped
+        return text if text.strip() else "(no output)"
+    return Tool("python", PYTHON_DESCRIPTION, PYTHON_PARAMETERS, python)
+
+
+python = python_tool()
+
+
+def _python_for(sandbox: str) -> Tool:
+    """The python tool for a config's ``sandbox``: isolated only where a test run proves the
+    isolation holds (else a ToolError naming the missing piece and the opt-in); unisolated, warned."""
+    if sandbox == "unisolated":
+        logger.warning("sandbox: unisolated: the python tool runs the policy's programs WITHOUT isolation: they can "
+                       "read and write whatever this process can (only time, output and rlimits are limited).")
+        return python_tool("unisolated")
+    try:
+        check_isolation()
+    except SandboxUnavailable as exc:
+        raise ToolError(f"Tool 'python': {exc}") from None
+    return python
 
 
 for _t in (calculator, python):

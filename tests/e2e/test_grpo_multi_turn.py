@@ -11,10 +11,15 @@ tools needs a model that can write a call first (benchmarks/tool_demo.py warm-st
 
 from __future__ import annotations
 
+import functools
 import json
 
 from cluster.driver import run_exp
-from stages.rl.environments import Environment, StepResult
+from registries.templates.tools import FunctionCall
+from stages.rl.environments import Environment, StepResult, ToolEnvironment
+from stages.rl.sandbox import SandboxUnavailable, check_isolation
+from stages.rl.tools import load_tools
+from tests.ci import skip_or_fail_in_ci
 from tests.e2e.conftest import example_config
 from tests.e2e.test_grpo import _rewards, _rises
 from tests.e2e.test_rl_resume import _steps, ppo_config
@@ -112,15 +117,54 @@ def test_ppo_with_the_hf_backend_trains_on_two_turn_episodes(ray_session, tmp_pa
     assert steps[4]["value_loss"] < steps[1]["value_loss"]
 
 
+PROGRAM = "import os; print(6 * 7, os.getuid(), os.path.exists('/etc/shadow'))"
+SANDBOX_SAYS = "42 65534 False"  # the answer, the sandbox user, and no host file in sight
+
+
+@functools.lru_cache(maxsize=1)
+def _python_tool() -> list:
+    return load_tools(["python"], sandbox="isolated")  # once per process: this proves the isolation holds
+
+
+class ForcedPythonCall(ToolEnvironment):
+    """The built-in tools environment with the python tool, except that the first reply is read as
+    a call running PROGRAM whatever the policy wrote (a random-init model rarely writes a call), so
+    every episode runs code in the sandbox and gets its output back as the observation."""
+
+    def __init__(self):
+        super().__init__(_python_tool(), self.first_reply_calls_python)
+        self.replies = 0
+
+    def first_reply_calls_python(self, reply: str) -> list[FunctionCall]:
+        self.replies += 1
+        return [FunctionCall("python", json.dumps({"code": PROGRAM}))] if self.replies == 1 else []
+
+
+def sandbox_answered(prompts, completions, trajectory, tool_calls, **columns):
+    """1.0 per trajectory; it fails the run unless the sandbox's output is in the observation."""
+    for whole, calls in zip(trajectory, tool_calls):
+        assert calls == 1 and SANDBOX_SAYS in whole, (calls, whole)
+    return [1.0] * len(completions)
+
+
+ANSWERED = "tests.e2e.test_grpo_multi_turn:sandbox_answered"
+
+
 def test_the_python_tool_example_runs_its_episodes_through_the_sandbox(ray_session, tmp_path):
-    """configs/grpo_python_tool.yaml as shipped, 3 steps: the built-in tools environment with the
-    sandboxed interpreter; every step logs its episodes (the random-init model rarely writes a
-    well-formed call, so the turns and tool calls are only bounded here)."""
-    config = example_config("grpo_python_tool.yaml", tmp_path, max_steps=3, logging_steps=1)
+    """configs/grpo_python_tool.yaml, 3 steps, with every episode's first reply taken as a call to
+    the sandboxed python tool: the program runs isolated (as uid 65534, /etc/shadow out of sight)
+    and what it printed comes back as the observation the policy answers."""
+    try:
+        check_isolation()
+    except SandboxUnavailable as exc:
+        skip_or_fail_in_ci(f"this machine cannot isolate a sandboxed run ({exc.piece})")
+    config = example_config("grpo_python_tool.yaml", tmp_path, max_steps=3, logging_steps=1, tools=[],
+                            environment="tests.e2e.test_grpo_multi_turn:ForcedPythonCall",
+                            reward_funcs=["final_number", ANSWERED])
     result = run_exp(config)
 
     steps = _steps(result.output_dir)
     assert sorted(steps) == [1, 2, 3]
     for r in steps.values():
-        assert 1.0 <= r["rollout/turns"] <= 3.0 and 0.0 <= r["rollout/tool_calls"] <= 2.0
-        assert "rewards/final_number" in r and "rewards/tool_use" in r
+        assert r["rollout/turns"] == 2.0 and r["rollout/tool_calls"] == 1.0, r
+        assert r[f"rewards/{ANSWERED}"] == 1.0 and "rewards/final_number" in r

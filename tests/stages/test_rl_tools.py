@@ -1,8 +1,13 @@
 """Tools and environments for multi-turn rollouts: schemas, calls, the registry, module:Class specs."""
 
 import json
+import logging
+import socket
 import sys
 import textwrap
+import types
+import uuid
+from dataclasses import replace
 
 import pytest
 
@@ -17,6 +22,10 @@ from stages.rl.environments import (
     check_step,
     load_environment,
 )
+from stages.rl import sandbox
+from stages.rl import tools as tools_module
+from stages.rl.sandbox import SandboxLimits, SandboxUnavailable, check_isolation
+from stages.rl.sandbox_cgroup import CgroupUnavailable
 from stages.rl.tools import (
     TOOLS,
     Tool,
@@ -30,6 +39,7 @@ from stages.rl.tools import (
     tool,
     tools_json,
 )
+from tests.ci import skip_or_fail_in_ci
 
 USER_MODULE = "rf_test_user_tools"
 USER_SOURCE = '''
@@ -122,11 +132,114 @@ def test_tool_calls_and_their_errors_are_observations():
     assert observation_turn(results) == {"role": "observation", "content": "42\n" + results[1]}
 
 
-def test_the_python_tool_runs_in_the_sandbox():
+@pytest.fixture(scope="module")
+def isolated():
+    try:
+        check_isolation()
+    except SandboxUnavailable as exc:
+        skip_or_fail_in_ci(f"this machine cannot isolate a sandboxed run ({exc.piece})")
+
+
+def test_the_python_tool_runs_in_the_sandbox(isolated):
     assert TOOLS["python"]({"code": "print(sum(range(10)))"}) == "45\n"
     failed = TOOLS["python"]({"code": "1/0"})
     assert "ZeroDivisionError" in failed
     assert TOOLS["python"]({"code": "x = 1"}) == "(no output)"
+
+
+def test_the_python_tool_reaches_neither_the_network_nor_the_host_files(isolated, tmp_path):
+    """From inside the tool: a connection to a host listener and a read of a host file. The host
+    sees no connection, and the file's text is nowhere in the observation."""
+    secret = f"secret-{uuid.uuid4().hex}"
+    (tmp_path / "notes.txt").write_text(secret)
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(1)
+    listener.settimeout(0.5)
+    code = textwrap.dedent(f"""
+        import socket
+        try:
+            socket.create_connection(("127.0.0.1", {listener.getsockname()[1]}), timeout=1).sendall(b"hi")
+            print("connected")
+        except OSError as exc:
+            print("no connection:", exc.strerror)
+        print(open({str(tmp_path / "notes.txt")!r}).read())
+    """)
+    try:
+        observation = TOOLS["python"]({"code": code})
+        with pytest.raises(socket.timeout):
+            listener.accept()
+    finally:
+        listener.close()
+    assert observation.startswith("no connection: Network is unreachable\n"), observation
+    assert "FileNotFoundError" in observation and secret not in observation
+
+
+SMALL = SandboxLimits(wall_seconds=15.0, cpu_seconds=1, memory_bytes=128 << 20, max_output_bytes=4096,
+                      file_size_bytes=1 << 20, disk_bytes=4 << 20, max_processes=8)
+
+
+@pytest.mark.parametrize("code, stopped", [
+    ("while True: pass", "the CPU-time limit (1 s)"),
+    ("import signal\nsignal.signal(signal.SIGXCPU, signal.SIG_IGN)\nwhile True: pass", "the CPU-time limit (1 s)"),
+    ("b = bytearray(200 << 20)", "the memory limit (128 MiB for all its processes together)"),
+    ("import os, time\nfor _ in range(4):\n    if os.fork() == 0:\n        b = bytearray(50 << 20)\n"
+     "        time.sleep(1)\n        os._exit(0)\nos.wait()", "the memory limit (128 MiB for all its processes together)"),
+    ("print('x' * 100000)", "the output limit (4 KiB)"),
+    ("open('f', 'wb').write(b'a' * (2 << 20))", "the file-size limit (1 MiB per file)"),
+    ("for i in range(10):\n    open(f'f{i}', 'wb').write(b'a' * (900 << 10))",
+     "disk full: the work directory's size limit (4 MiB)"),
+    ("import os\nwhile True:\n    os.fork()", "the process limit (8 processes)"),
+    ("import os, signal; os.kill(os.getpid(), signal.SIGSEGV)", "killed by SIGSEGV"),
+], ids=["cpu", "cpu-sigxcpu-ignored", "memory", "memory-of-the-tree", "output", "file-size", "disk",
+        "processes", "signal"])
+def test_the_python_tool_says_what_stopped_a_program(isolated, monkeypatch, code, stopped):
+    monkeypatch.setattr(tools_module, "PYTHON_TOOL_LIMITS", SMALL)  # 15 s wall: CPU seconds, even on a busy machine
+    observation = TOOLS["python"]({"code": code})
+    assert observation.endswith(f"\n[stopped: {stopped}]"), observation
+
+
+def test_the_python_tool_says_the_wall_clock_stopped_a_sleeper(isolated, monkeypatch):
+    monkeypatch.setattr(tools_module, "PYTHON_TOOL_LIMITS", replace(SMALL, wall_seconds=1.0))
+    observation = TOOLS["python"]({"code": "import time; time.sleep(30)"})
+    assert observation == "\n[stopped: the wall-clock limit (1 s)]"
+
+
+def test_load_tools_holds_the_python_tool_to_the_configs_sandbox(monkeypatch, tmp_path, caplog):
+    """isolated: refused (a ToolError naming the piece and the opt-in) where a piece is missing,
+    and every call refused too; unisolated: runs, with a warning."""
+    def no_cgroup(*args):
+        raise CgroupUnavailable("no cgroup hierarchy offers the memory controller")
+    monkeypatch.setattr(sandbox, "make_cgroup", no_cgroup)
+    monkeypatch.setattr(sandbox.os, "geteuid", lambda: 0)  # as root, so the cgroup is the missing piece
+    with pytest.raises(ToolError, match=r"Tool 'python'.*memory and pids cgroup.*`sandbox: unisolated`"):
+        load_tools(["calculator", "python"], sandbox="isolated")
+    marker = tmp_path / "ran"
+    refused = TOOLS["python"]({"code": f"open({str(marker)!r}, 'w').write('ran')"})
+    assert refused.startswith("Error: SandboxUnavailable:") and not marker.exists()
+    with caplog.at_level(logging.WARNING, logger="stages.rl.tools"):
+        calculator_tool, python_tool = load_tools(["calculator", "python"], sandbox="unisolated")
+    assert "WITHOUT isolation" in caplog.text
+    assert calculator_tool is calculator and python_tool({"code": "print(6 * 7)"}) == "42\n"
+    assert load_tools(["python"]) == [TOOLS["python"]]  # no sandbox named (a config check): found, not run
+
+
+def test_a_runs_sandbox_key_reaches_its_python_tool(monkeypatch, caplog):
+    """RLArguments.sandbox -> Episodes -> environment_factory -> load_tools: the key decides."""
+    from stages.rl.episodes import environment_factory
+    from stages.rl.rl_args import RLArguments
+
+    assert RLArguments().sandbox == "isolated"
+    def no_cgroup(*args):
+        raise CgroupUnavailable("none here")
+    monkeypatch.setattr(sandbox, "make_cgroup", no_cgroup)
+    monkeypatch.setattr(sandbox.os, "geteuid", lambda: 0)
+    template = types.SimpleNamespace(extract_tool_calls=lambda reply: [])
+    with pytest.raises(ToolError, match="memory and pids cgroup: none here"):
+        environment_factory("tools", {}, ["python"], template, sandbox="isolated")
+    with caplog.at_level(logging.WARNING, logger="stages.rl.tools"):
+        env = environment_factory("tools", {}, ["python"], template, sandbox="unisolated")()
+    assert "WITHOUT isolation" in caplog.text and env.tools[0]({"code": "print(6 * 7)"}) == "42\n"
 
 
 def test_schemas_render_through_every_template_tool_format():
