@@ -69,7 +69,7 @@ GROUPS: dict[str, type] = {
 }
 # What a config is read for: a training run needs output_dir and trainer checks; chat, serve and
 # export read the same keys (a training YAML works) but need no output_dir.
-PURPOSES = ("train", "infer", "submit")
+PURPOSES = ("train", "infer", "submit", "check")
 
 
 @dataclass(frozen=True)
@@ -133,7 +133,8 @@ def load_config(path_or_dict: str | os.PathLike | dict | None = None, overrides:
     """Read, route, type-check and validate a config; ``overrides`` are ``key=value`` strings.
     ``purpose`` "infer" (chat, serve, export) skips what only a training run needs; "submit" checks a
     training run on another machine than the one that runs it (``rayfactory submit``): every rule
-    but those about this machine (files the config names, installed packages, reward modules)."""
+    but those about this machine (files the config names, installed packages, reward modules);
+    "check" is "train" with user modules found on disk, never imported (the web UI's checks)."""
     if purpose not in PURPOSES:
         raise ValueError(f"purpose must be one of {PURPOSES}, got {purpose!r}")
     values, origin, source = _read_source(path_or_dict)
@@ -302,14 +303,14 @@ def _route(values: dict[str, Any], origin: dict[str, str]) -> dict[str, dict[str
                 "and transformers' TrainingArguments names; fix the spelling or remove the key."
             )
         if group != "data":  # DataArguments checks its own values, with messages of its own
-            value = coerce_key(key, value, _annotation(group, key), origin[key])
-        elif bool in typing.get_args(_annotation(group, key)) + (_annotation(group, key),):
+            value = coerce_key(key, value, key_annotation(group, key), origin[key])
+        elif bool in typing.get_args(key_annotation(group, key)) + (key_annotation(group, key),):
             value = bool_word(value)  # packing: no
         grouped[group][key] = value
     return grouped
 
 
-def _annotation(group: str, key: str) -> Any:
+def key_annotation(group: str, key: str) -> Any:
     if group == "training":
         return trainer_fields()[key].annotation
     return _hints(GROUPS[group])[key]
@@ -338,8 +339,11 @@ def _check_and_resolve(run: RunConfig, where: typing.Callable[[str], str], purpo
     stage = tuning.spec  # FinetuningArguments refused a name the stage table lacks
     is_rl = stage.launch == "rl_controller" and purpose != "infer"
     local = purpose != "submit"  # the job's machine is this one: its files and packages can be checked
+    # "check" (the web UI) finds the user modules a config names without running them: a config
+    # that is only being looked at must not execute code of its choosing.
+    run_modules = purpose in ("train", "infer")
     if is_rl:
-        check_rl(run, where, local)
+        check_rl(run, where, local, run_modules)
     if not model.model_name_or_path:
         raise ConfigError(
             f"model_name_or_path is missing in {where('model_name_or_path')}. Set it to a model folder "

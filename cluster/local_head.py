@@ -42,8 +42,12 @@ class Head:
     token: str | None = None
 
     def save(self, path: str) -> None:
-        with open(path, "w", encoding="utf-8") as f:
+        """The record, readable by this user only (it may hold the head's token)."""
+        fd = os.open(f"{path}.partial", os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600)
+        os.fchmod(fd, 0o600)  # a file left by an earlier try keeps its mode otherwise
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
             json.dump(asdict(self), f)
+        os.replace(f"{path}.partial", path)
 
     @classmethod
     def load(cls, path: str) -> "Head | None":
@@ -75,6 +79,9 @@ def start_head(env: dict[str, str], num_cpus: int, token: str | None = None) -> 
     command = [
         ray_executable(), "start", "--head", f"--num-cpus={num_cpus}", "--disable-usage-stats",
         f"--temp-dir={temp_dir}", "--include-dashboard=true", "--dashboard-host=127.0.0.1",
+        # Loopback where Ray lets a head choose: its node address, and so the Ray client server's.
+        # The GCS and raylet still listen on every interface: the head wants Ray's token auth.
+        "--node-ip-address=127.0.0.1",
         *(f"--{k}={v}" for k, v in ports.items()),
     ]
     with open(os.path.join(temp_dir, "head.log"), "w") as log:

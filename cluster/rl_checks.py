@@ -17,9 +17,11 @@ from stages.rl.checks import RLConfigError, check_judge_keys
 from .config_types import ConfigError
 
 
-def check_rl(run, where: Callable[[str], str], local: bool = True) -> None:
+def check_rl(run, where: Callable[[str], str], local: bool = True, run_modules: bool | None = None) -> None:
     """Rules of the RL stages, whose policy trains in RayFactory's own loop (no HF Trainer).
-    ``local``: the run starts on this machine, so its reward modules and files can be checked here."""
+    ``local``: the run starts on this machine, so its reward modules and files can be checked here.
+    ``run_modules`` (default: ``local``) False finds user modules on disk without importing them."""
+    run_modules = local if run_modules is None else run_modules
     from stages.rl.rewards import RewardFunctionError, importable_from, load_reward_funcs
     from stages.table import STAGES
 
@@ -33,10 +35,10 @@ def check_rl(run, where: Callable[[str], str], local: bool = True) -> None:
     try:
         if run.rl.reward_funcs:  # on another machine (submit) user modules are found, not run
             with importable_from(os.getcwd()):
-                load_reward_funcs(run.rl.reward_funcs, run.rl.reward_weights, run_modules=local)
+                load_reward_funcs(run.rl.reward_funcs, run.rl.reward_weights, run_modules=run_modules)
     except RewardFunctionError as exc:
         raise ConfigError(f"reward_funcs in {where('reward_funcs')}: {exc}") from None
-    _check_environment(run, where, local)
+    _check_environment(run, where, run_modules)
     if run.finetuning.reward_model and not stage.rl.reward_model:
         readers = ", ".join(s.name for s in STAGES.values() if s.rl is not None and s.rl.reward_model)
         raise ConfigError(
@@ -116,7 +118,7 @@ def check_rl(run, where: Callable[[str], str], local: bool = True) -> None:
         )
 
 
-def _check_environment(run, where: Callable[[str], str], local: bool) -> None:
+def _check_environment(run, where: Callable[[str], str], run_modules: bool) -> None:
     """A multi-turn run's environment and tools load (found, not run, when submitted elsewhere)."""
     from stages.rl.environments import EnvironmentSpecError, load_environment
     from stages.rl.rewards import importable_from
@@ -126,9 +128,9 @@ def _check_environment(run, where: Callable[[str], str], local: bool) -> None:
     try:
         with importable_from(os.getcwd()):
             if rl.tools:
-                load_tools(rl.tools, run_modules=local)
+                load_tools(rl.tools, run_modules=run_modules)
             if rl.environment not in (None, "tools"):
-                load_environment(rl.environment, run_module=local)
+                load_environment(rl.environment, run_module=run_modules)
     except ToolError as exc:
         raise ConfigError(f"tools in {where('tools')}: {exc}") from None
     except EnvironmentSpecError as exc:

@@ -78,7 +78,7 @@ def create_app(chat, *, info: dict[str, Any] | None = None, default_system: str 
     @app.middleware("http")
     async def check_caller(request: Request, call_next):
         """Every route: the Host and Origin a browser sends, then the token for the API."""
-        refusal = guard.refused_host(request.headers, hosts)
+        refusal = guard.refused_host(request.headers, hosts, *guard.listening(request.scope))
         if refusal:
             answer = JSONResponse({"error": refusal}, status_code=403)
         elif token and request.url.path.startswith("/api/") and not guard.token_matches(request.scope, token):

@@ -367,7 +367,7 @@ def validate(config: dict[str, Any]) -> dict[str, str] | None:
             return {"key": f.key, "message": f"{f.key}: {bad[0]!r} is not a finite number; give a finite one"
                                              f"{' (comma-separated)' if f.kind == 'list' else ''}."}
     try:
-        cfg = load_config(dict(config), purpose="train")
+        cfg = load_config(dict(config), purpose="check")  # a config being looked at runs none of its modules
     except UserError as exc:
         message = str(exc)
         return {"key": _named_key(message, config), "message": message}

@@ -10,17 +10,38 @@ paths and pass as they are.
 from __future__ import annotations
 
 import os
+import re
 from collections.abc import Iterable, Sequence
+from functools import lru_cache
 from typing import Any
 
 from registries.errors import ArgumentError
 
-# Config keys that always name a local file or folder.
-PATH_KEYS = ("dataset_dir", "output_dir", "export_dir", "tokenized_path", "deepspeed")
-# Config keys that name a model or adapter: a local path or a hub / built-in id; "a,b" lists several.
+# A config key whose name ends like these holds a local file or folder. path_keys() reads every key of
+# the typed config (cluster/config.py's key_owners) through this, so a field added later is confined
+# too; tests/webui/test_hardening.py tries each key the rule finds with a path outside the UI's folders.
+PATH_NAME = re.compile(r"(?:^|_)(?:dir|path|file|folder|checkpoint|adapters)$|^deepspeed$|_config$")
+# Keys that name a model or adapter: a local path or a hub / built-in id; "a,b" lists several.
 MODEL_KEYS = ("model_name_or_path", "adapter_name_or_path", "ref_model", "ref_model_adapters",
-              "reward_model", "reward_model_adapters", "resume_from_checkpoint")
+              "reward_model", "reward_model_adapters", "adapters")
 NOT_PATHS = ("auto",)  # resume_from_checkpoint: auto is resolved by the run, inside output_dir
+# Remote storage Ray Train writes checkpoints to (pyarrow file systems): not a local path.
+STORAGE_SCHEMES = ("s3", "gs", "gcs", "hdfs", "abfs", "abfss", "az")
+
+
+@lru_cache(maxsize=1)
+def path_keys() -> tuple[str, ...]:
+    """Every config key whose name says it holds a local file or folder (PATH_NAME) and whose type
+    takes a string, model keys aside (a switch such as restore_callback_states_from_checkpoint is no path)."""
+    import typing
+
+    from ..config import key_annotation, key_owners
+
+    def takes_text(annotation: Any) -> bool:
+        return annotation is str or annotation is Any or any(takes_text(a) for a in typing.get_args(annotation))
+
+    return tuple(sorted(key for key, group in key_owners().items()
+                        if PATH_NAME.search(key) and key not in MODEL_KEYS and takes_text(key_annotation(group, key))))
 
 
 def confine(path: Any, roots: Sequence[str], key: str = "path") -> str:
@@ -42,15 +63,21 @@ def confine(path: Any, roots: Sequence[str], key: str = "path") -> str:
              f"`rayfactory webui` from a folder that holds it.")
 
 
+HUB_ID = re.compile(r"[A-Za-z0-9](?:[A-Za-z0-9_.-]{0,94}[A-Za-z0-9])?(?:/[A-Za-z0-9](?:[A-Za-z0-9_.-]{0,94}[A-Za-z0-9])?)?")
+BUILT_IN = re.compile(r"(?:tiny|demo):[A-Za-z0-9][A-Za-z0-9_.-]{0,95}")
+
+
 def is_local(value: str, cwd: str) -> bool:
-    """A model value that names a filesystem path rather than a hub id ('name', 'org/name') or a
-    built-in id (tiny:<family>, demo:<name>): absolute, ./ ../ ~, more than one /, a .. part, or
-    something that exists under ``cwd``."""
+    """Whether a model value names a filesystem path. Only two spellings are not paths: a built-in id
+    (tiny:<family>, demo:<name>) and a hub id as the hub spells them ('name', 'org/name': letters,
+    digits, '-', '_', '.', no '..' or '--') that names nothing under ``cwd``. Anything else ('x://..',
+    'file:///etc', 'a:b', 'org/'), and a hub spelling that exists here, is a path: confined like one,
+    so a local folder is never reached through a spelling taken for an id."""
     value = value.strip()
-    if "://" in value or value.startswith(("tiny:", "demo:")) or value in NOT_PATHS:
+    if value in NOT_PATHS or BUILT_IN.fullmatch(value):
         return False
-    return (value.startswith(("/", "./", "../", "~", "\\")) or value in (".", "..") or value.count("/") > 1
-            or "\\" in value or ".." in value.split("/") or os.path.lexists(os.path.join(cwd, value)))
+    hub_id = HUB_ID.fullmatch(value) and ".." not in value and "--" not in value and value not in (".",)
+    return not hub_id or os.path.lexists(os.path.join(cwd, value))
 
 
 def model_paths(value: Any) -> Iterable[str]:
@@ -67,13 +94,74 @@ def check_config(config: dict[str, Any], roots: Sequence[str]) -> dict[str, Any]
     folder); an ArgumentError naming the key when one leads outside ``roots``. What the UI saves or
     starts keeps the paths as written: a run starts in ``roots[0]``, where they mean the same."""
     resolved = dict(config)
-    for key in PATH_KEYS:
+    for key in path_keys():
         value = config.get(key)
-        if value is None or value == "" or (key == "deepspeed" and isinstance(value, dict)):
-            continue  # unset (the defaults are relative), or deepspeed given inline
-        resolved[key] = confine(value, roots, key)
+        if value is None or value == "" or isinstance(value, (bool, dict)) or value in NOT_PATHS:
+            continue  # unset (the defaults are relative), a switch (resume: true), or settings given inline
+        if key == "ray_storage_path" and isinstance(value, str) and value.split("://")[0] in STORAGE_SCHEMES \
+                and "://" in value:
+            continue  # remote storage, written by the job (the config asks for the network)
+        if isinstance(value, list):
+            resolved[key] = [confine(v, roots, key) for v in value]
+        else:
+            resolved[key] = confine(value, roots, key)
     for key in MODEL_KEYS:
-        paths = model_paths(config.get(key))
+        value = config.get(key)
+        if isinstance(value, dict):  # adapters: {name: folder}
+            resolved[key] = {name: _model_path(p, roots, key) for name, p in value.items()}
+            continue
+        paths = model_paths(value)
         if any(is_local(p, roots[0]) for p in paths):
-            resolved[key] = ",".join(confine(p, roots, key) if is_local(p, roots[0]) else p for p in paths)
+            resolved[key] = ",".join(_model_path(p, roots, key) for p in paths)
     return resolved
+
+
+def _model_path(value: Any, roots: Sequence[str], key: str) -> Any:
+    """A model value resolved when it is a local path (confined), else as it is (a hub or built-in id)."""
+    return confine(value, roots, key) if not isinstance(value, str) or is_local(value, roots[0]) else value
+
+
+def check_loadable_here(config: dict[str, Any], roots: Sequence[str]) -> None:
+    """The model and adapter of a Chat or Export request can be loaded in this process without the
+    network: a local folder that exists (an adapter's with its adapter_config.json), a built-in model
+    id, or a hub id already in this machine's hub cache. The UI itself never downloads; an ArgumentError
+    naming the key says what to give instead."""
+    for key, wanted in (("model_name_or_path", "config.json"), ("adapter_name_or_path", "adapter_config.json")):
+        value = config.get(key)
+        if isinstance(value, str) and value.strip() and "" in [v.strip() for v in value.split(",")]:
+            raise ArgumentError(key, f"{key} {value!r} has an empty entry; list folders as a,b.")
+        for value in model_paths(value):
+            what = "an adapter folder (one holding adapter_config.json)" if wanted != "config.json" else \
+                "a model folder (one holding config.json)"
+            if is_local(value, roots[0]):
+                if not os.path.isfile(os.path.join(value, wanted)):
+                    raise ArgumentError(key, f"{key}: {value} is not {what}. Give a folder inside {' or '.join(roots)} "
+                                             "that holds one (a finished run's output_dir, say).")
+            elif BUILT_IN.fullmatch(value):
+                _check_built_in(key, value, wanted == "config.json")
+            elif not _in_hub_cache(value, wanted):
+                raise ArgumentError(key, f"{key}: {value!r} reads as a hub id, and it is not in this machine's hub cache; "
+                                         "the web UI never downloads a model. Download it first (`hf download "
+                                         f"{value}`) or give a local folder.")
+
+
+def _check_built_in(key: str, value: str, is_model: bool) -> None:
+    from registries.models.demo import list_demo_models
+    from registries.models.families import list_model_families
+
+    kind, _, name = value.partition(":")
+    known = list_model_families() if kind == "tiny" else list_demo_models()
+    if not is_model:
+        raise ArgumentError(key, f"{key}: {value!r} is a built-in model id, not an adapter folder (one holding "
+                                 "adapter_config.json).")
+    if name not in known:
+        raise ArgumentError(key, f"{key}: {value!r} is no built-in model; {kind}: takes one of {', '.join(known)}.")
+
+
+def _in_hub_cache(repo_id: str, filename: str) -> bool:
+    from huggingface_hub import try_to_load_from_cache
+
+    try:
+        return isinstance(try_to_load_from_cache(repo_id, filename), str)
+    except Exception:  # noqa: BLE001 (a spelling the hub library refuses is not cached either)
+        return False

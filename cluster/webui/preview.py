@@ -43,7 +43,7 @@ def preview(config: dict[str, Any], dataset: str, rows: int = SHOWN_ROWS) -> dic
     from ..config import load_config
     from ..driver import tokenizer_and_template
 
-    cfg = load_config(dict(config), purpose="train")
+    cfg = load_config(dict(config), purpose="check")  # previewing runs none of the config's modules
     tokenizer, template = tokenizer_and_template(cfg)
     stage = cfg.job_spec().stage
     one = dataclasses.replace(cfg.data, dataset=[dataset], packing=False, neat_packing=False, streaming=False)

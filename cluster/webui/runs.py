@@ -2,8 +2,8 @@
 
 A Ray job lives in the cluster, not in this server: closing the browser, or stopping the web UI,
 leaves it running. With no job address the UI starts a Ray head of its own on this machine
-(``cluster/local_head.py``, dashboard on 127.0.0.1, recorded in the share dir so a restarted UI
-finds it again) and the job runs from the folder the UI was started in, so relative paths in the
+(``cluster/local_head.py``, dashboard on 127.0.0.1, Ray's token auth with a token of its own,
+recorded in the share dir so a restarted UI finds it again) and the job runs from the folder the UI was started in, so relative paths in the
 config (dataset_dir, output_dir) mean what they mean to ``rayfactory train`` run there. With an
 address the checkout is uploaded as the job's working dir, as ``rayfactory submit`` does.
 
@@ -16,11 +16,12 @@ from __future__ import annotations
 import json
 import math
 import os
+import secrets
 import shlex
 import sys
 import time
 from dataclasses import asdict, dataclass
-from typing import Any
+from typing import Any, Callable
 
 from registries.errors import UserError
 
@@ -112,31 +113,37 @@ class Runs:
 
     def address(self) -> str:
         """The job server: the configured one, else this machine's head (started on first use)."""
-        if self.job_address:
-            return self.job_address
+        return self.job_address or self._head().dashboard_url
+
+    def _head(self) -> Head:
         path = os.path.join(self.share_dir, HEAD_FILE)
         head = Head.load(path)
-        if head is None:
-            head = start_head(self._head_env(), num_cpus=max(4, os.cpu_count() or 1))
-            head.save(path)
-        return head.dashboard_url
+        if head is None or not head.token:  # a head of an older UI, without a token: never reused
+            token = secrets.token_hex(32)
+            head = start_head(self._head_env(token), num_cpus=max(4, os.cpu_count() or 1), token=token)
+            head.save(path)  # readable by this user only: it holds the token
+        return head
 
-    def _head_env(self) -> dict[str, str]:
-        # The head listens on 127.0.0.1 only, so it needs no token; RAY_* settings of this shell
-        # (an address, a token mode) are about other clusters.
+    def _head_env(self, token: str) -> dict[str, str]:
+        # Ray's token auth, with a token of this head's own: its GCS and raylet listen on every
+        # interface whatever the node's address, so only the token keeps others from running code
+        # there. RAY_* settings of this shell (an address, a token mode) are about other clusters.
         env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_")}
-        env["RAY_AUTH_MODE"] = "disabled"
+        env.update(RAY_AUTH_MODE="token", RAY_AUTH_TOKEN=token)
         env["PATH"] = os.path.dirname(sys.executable) + os.pathsep + env.get("PATH", "")
         return env
 
     def _client(self, address: str | None = None):
         """One client per job server: making one asks the server for its version, and the page
-        polls a run every 2 s."""
+        polls a run every 2 s. This UI's own head wants its token on every request."""
         from ray.job_submission import JobSubmissionClient
 
         address = address or self.address()
         if address not in self._clients:
-            self._clients[address] = JobSubmissionClient(address)
+            head = None if self.job_address else Head.load(os.path.join(self.share_dir, HEAD_FILE))
+            mine = head is not None and head.dashboard_url == address and head.token
+            headers = {"Authorization": f"Bearer {head.token}"} if mine else None
+            self._clients[address] = JobSubmissionClient(address, headers=headers)
         return self._clients[address]
 
     # --- runs -----------------------------------------------------------------------------
@@ -203,14 +210,16 @@ class Runs:
         run = self.get(job_id)
         return bool(self._client(run.address).stop_job(job_id))
 
-    def resume(self, job_id: str) -> Run:
-        """The same config again, from the latest complete checkpoint in its output_dir."""
+    def resume(self, job_id: str, check: Callable[[dict[str, Any]], Any] = lambda config: None) -> Run:
+        """The same config again, from the latest complete checkpoint in its output_dir; ``check``
+        (the server's rules for a request's config) sees it first: the file may have changed."""
         from .form import parse_yaml
 
         run = self.get(job_id)
         with open(run.config_path, encoding="utf-8") as f:
             config = parse_yaml(f.read())
         config["resume_from_checkpoint"] = "auto"
+        check(config)
         return self.start(config)
 
     def _record(self, job_id: str) -> str:

@@ -25,7 +25,8 @@ from . import guard
 from .bodies import chat_request, json_kind as _json_kind, json_object as _json_object, number as _number, \
     text as _text
 from .guard import LOOPBACK, TOKEN_HEADER, WILDCARDS  # noqa: F401 (TOKEN_HEADER: the page's header, by its old address)
-from .paths import check_config, confine
+from .code_keys import check_code_keys
+from .paths import check_config, check_loadable_here, confine
 from .preview import SHOWN_ROWS
 from .runs import Runs
 
@@ -33,9 +34,10 @@ STATIC_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "static")
 
 
 def create_app(share_dir: str, token: str | None = None, job_address: str | None = None, cwd: str | None = None,
-               host: str = "127.0.0.1", allowed_hosts: Iterable[str] = ()):
+               host: str = "127.0.0.1", allowed_hosts: Iterable[str] = (), allow_code: bool = False):
     """The app. ``host`` is the address the server binds: besides the loopback names, the Host header
-    may name it (and any of ``allowed_hosts``); a browser's Origin must be one of those too."""
+    may name it (and any of ``allowed_hosts``); a browser's Origin must be one of those too.
+    ``allow_code``: configs may name Python modules inside ``cwd`` (code_keys.py); else only built-ins."""
     from fastapi import Depends, FastAPI
     from fastapi.responses import FileResponse, JSONResponse, StreamingResponse
     from fastapi.staticfiles import StaticFiles
@@ -46,11 +48,16 @@ def create_app(share_dir: str, token: str | None = None, job_address: str | None
     hosts = guard.allowed_hosts(host, allowed_hosts)
     chats = _ChatCache()
 
+    def checked(cfg: dict[str, Any]) -> dict[str, Any]:
+        """A config from a request with its paths confined and resolved, and no code it may not run."""
+        check_code_keys(cfg, roots, allow_code)
+        return check_config(cfg, roots)
+
     @app.middleware("http")
     async def check_caller(request: Request, call_next):
         """Every route: the Host and Origin a browser sends (DNS rebinding, other sites' pages), then
         the token for the API."""
-        refusal = guard.refused_host(request.headers, hosts)
+        refusal = guard.refused_host(request.headers, hosts, *guard.listening(request.scope))
         if refusal:
             return JSONResponse({"error": refusal}, status_code=403)
         if token and request.url.path.startswith("/api/") and not guard.token_matches(request.scope, token):
@@ -99,7 +106,7 @@ def create_app(share_dir: str, token: str | None = None, job_address: str | None
                     "error": {"key": "extra", "message": str(exc)}}
         path = runs.config_path(cfg)
         try:  # a path outside the UI's folders is shown like any other config error
-            error = form.validate(check_config(cfg, roots))
+            error = form.validate(checked(cfg))
         except ArgumentError as exc:
             error = {"key": exc.key if exc.key in form.FIELD_BY_KEY else "extra", "message": str(exc)}
         return {"config": cfg, "yaml": form.to_yaml(cfg), "config_path": path,
@@ -126,7 +133,7 @@ def create_app(share_dir: str, token: str | None = None, job_address: str | None
     @app.post("/api/yaml/save")
     def save_yaml(body: dict = Json):
         cfg = _form_config(body)
-        check_config(cfg, roots)
+        checked(cfg)
         path = _yaml_path(confine(_text(body, "path", "") or runs.config_path(cfg), roots, "path"))
         form.write_yaml(path, cfg)
         return {"path": path}
@@ -135,7 +142,8 @@ def create_app(share_dir: str, token: str | None = None, job_address: str | None
     def preview(body: dict = Json):
         from .preview import preview as data_preview
 
-        cfg = check_config(_form_config(body), roots)
+        cfg = checked(_form_config(body))
+        check_loadable_here({"model_name_or_path": cfg.get("model_name_or_path")}, roots)  # its tokenizer, offline
         dataset = _text(body, "dataset", "")
         if not dataset:
             raise UserError("dataset: choose the dataset to preview.")
@@ -145,7 +153,7 @@ def create_app(share_dir: str, token: str | None = None, job_address: str | None
     @app.post("/api/runs")
     def start(body: dict = Json):
         cfg = _form_config(body)
-        error = form.validate(check_config(cfg, roots))
+        error = form.validate(checked(cfg))
         if error:
             return JSONResponse({"error": error["message"], "key": error["key"]}, status_code=400)
         return {"job_id": runs.start(cfg).job_id}
@@ -164,7 +172,7 @@ def create_app(share_dir: str, token: str | None = None, job_address: str | None
 
     @app.post("/api/runs/{job_id}/resume")
     def resume(job_id: str):
-        return {"job_id": runs.resume(job_id).job_id}
+        return {"job_id": runs.resume(job_id, checked).job_id}
 
     @app.post("/api/chat")
     def chat(body: dict = Json):
@@ -238,7 +246,9 @@ def _model_keys(body: dict[str, Any], roots: tuple[str, ...]) -> dict[str, Any]:
     a hub id or tiny:/demo: id as it is."""
     keys = {k: _text(body, k, "", limit=4096).strip() for k in ("model_name_or_path", "adapter_name_or_path",
                                                               "template")}
-    return check_config({k: v for k, v in keys.items() if v}, roots)
+    resolved = check_config({k: v for k, v in keys.items() if v}, roots)
+    check_loadable_here(resolved, roots)
+    return resolved
 
 
 def _export(roots: tuple[str, ...], body: dict[str, Any]) -> dict[str, Any]:
@@ -247,9 +257,9 @@ def _export(roots: tuple[str, ...], body: dict[str, Any]) -> dict[str, Any]:
     from ..config import load_config
     from ..driver import check_local_paths
 
-    keys = _model_keys(body, roots)
-    keys["export_dir"] = confine(_text(body, "export_dir", ""), roots, "export_dir")
+    export_dir = confine(_text(body, "export_dir", ""), roots, "export_dir")  # the request's own keys first
     size = _number(body, "export_size", 0.001, 1000.0)
+    keys = {**_model_keys(body, roots), "export_dir": export_dir}
     if size is not None:
         keys["export_size"] = size
     cfg = load_config(keys, purpose="infer")
@@ -296,6 +306,10 @@ def add_webui_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
                              "default $RAYFACTORY_WEBUI_TOKEN")
     parser.add_argument("--address", default=None,
                         help="a Ray cluster's dashboard URL to run jobs on (default: a local Ray this UI starts)")
+    parser.add_argument("--allow-code", action="store_true",
+                        help="let configs name Python modules of their own (reward_funcs, tools, environment as "
+                             "module.path:attr), found in the folder the UI runs in, and ray_init_kwargs; "
+                             "without it the UI runs built-ins only (anyone who reaches the UI could run code)")
     parser.add_argument("--allow-host", action="append", default=[], metavar="NAME",
                         help="another host name the browser may use for the UI (repeatable; loopback names and "
                              "--host are always allowed)")
@@ -307,7 +321,8 @@ def run_webui(args: argparse.Namespace) -> int:
 
     guard.refuse_open_host(args.host, args.token, "the web UI", "start jobs and read files", args.port,
                            "RAYFACTORY_WEBUI_TOKEN")
-    app = create_app(args.share_dir, args.token, args.address, host=args.host, allowed_hosts=args.allow_host)
+    app = create_app(args.share_dir, args.token, args.address, host=args.host, allowed_hosts=args.allow_host,
+                     allow_code=args.allow_code)
     suffix = f"/?token={args.token}" if args.token else "/"
     print(f"rayfactory webui: http://{args.host}:{args.port}{suffix}  (Ctrl-C stops the UI; started runs go on)",
           flush=True)

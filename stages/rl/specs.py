@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import importlib
-import importlib.util
+import importlib.machinery
 import sys
 from typing import Any, Iterator, Mapping, Optional
 
@@ -18,8 +18,9 @@ def resolve_spec(spec: str, builtins: Mapping[str, Any], kind: str, error: type[
     """What ``spec`` names: ``builtins[spec]``, or the attribute of a user module, which must be
     callable (a function or a class). ``kind`` ("reward function", "tool", "environment") and
     ``shape`` (what it must look like, a sentence) go into the ``error`` raised for a bad spec.
-    ``run_module`` False only finds a user module's file without running it (its own imports may
-    exist only where the job runs): None when it is there."""
+    ``run_module`` False only finds a user module's file without running any code, not even its
+    parent packages' ``__init__`` (its own imports may exist only where the job runs, and the web UI
+    checks configs it must not execute): None when it is there."""
     label = kind[0].upper() + kind[1:]
     if ":" not in spec:
         if spec in builtins:
@@ -31,7 +32,7 @@ def resolve_spec(spec: str, builtins: Mapping[str, Any], kind: str, error: type[
     module_name, _, attr = spec.partition(":")
     try:
         if not run_module:
-            if importlib.util.find_spec(module_name) is None:
+            if module_file(module_name) is None:
                 raise ModuleNotFoundError(f"No module named {module_name!r}", name=module_name)
             return None
         module = importlib.import_module(module_name)
@@ -56,6 +57,31 @@ def resolve_spec(spec: str, builtins: Mapping[str, Any], kind: str, error: type[
         raise error(
             f"{label} {spec!r}: {attr!r} in {module_name!r} is a {type(found).__name__}, not callable. {shape}")
     return found
+
+
+def module_file(module_name: str, path: Optional[list[str]] = None) -> Optional[str]:
+    """Where ``module_name`` ("a.b.c") would be imported from, found on disk along ``path`` (default
+    sys.path), running nothing: ``importlib.util.find_spec("a.b")`` imports ``a`` to find ``b``.
+    "built-in" for a module compiled into the interpreter, "loaded" for one already imported
+    (found where the interpreter found it); None when there is no such module."""
+    if not module_name or not all(part.isidentifier() for part in module_name.split(".")):
+        return None
+    if path is None:
+        if module_name in sys.modules:
+            return "loaded"
+        if module_name in sys.builtin_module_names:
+            return "built-in"
+    parts = module_name.split(".")
+    spec = None
+    search = path
+    for part in parts:
+        spec = importlib.machinery.PathFinder.find_spec(part, search)
+        if spec is None:
+            return None
+        search = list(spec.submodule_search_locations or [])
+        if part != parts[-1] and not search:
+            return None  # a module, not a package: it has no submodules
+    return spec.origin or (search[0] if search else None)  # a namespace package has no origin
 
 
 @contextlib.contextmanager

@@ -131,8 +131,10 @@ def test_confine_and_is_local(tmp_path):
     for bad in ("/etc/passwd", "..", "../cwd2", "a/../../x", "", None, 5, "a\x00b"):
         with pytest.raises(UserError):
             confine(bad, roots)
-    assert not any(is_local(v, roots[0]) for v in ("org/name", "name", "tiny:qwen2", "demo:x", "https://h/m"))
-    assert all(is_local(v, roots[0]) for v in ("/m", "./m", "../m", "~/m", "a/b/c", "a/../b", "."))
+    assert not any(is_local(v, roots[0]) for v in ("org/name", "name", "tiny:qwen2", "demo:x", "Org-1/m_2.5"))
+    # Only a hub spelling or a built-in id is not a path: a URL, 'a:b', 'org/' are (and get confined).
+    assert all(is_local(v, roots[0]) for v in ("/m", "./m", "../m", "~/m", "a/b/c", "a/../b", ".", "https://h/m",
+                                               "x://../../outside", "file:///etc", "a:b", "org/", "o..x/m", "a--b"))
     os.makedirs(os.path.join(roots[0], "org", "name"))
     assert is_local("org/name", roots[0])  # a folder under the UI's folder is that folder
     assert check_config({"output_dir": "o", "model_name_or_path": "org/name", "dataset_dir": "d"}, roots) == {
@@ -156,9 +158,16 @@ def test_forged_host_and_origin_are_refused_on_every_route(ui, route):
     answer = client.post("/api/yaml/save", json={"values": {}, "path": "x.yaml"},
                          headers={"host": "evil.example:7860"})
     assert answer.status_code == 403
-    for host in ("127.0.0.1:7860", "localhost:1234", "LOCALHOST", "[::1]:7860", "127.0.0.1"):
+    for host in ("127.0.0.1:7860", "LOCALHOST:7860", "[::1]:7860", "localhost:07860"):
         assert client.get(route, headers={"host": host}).status_code == 200, host
     assert client.get(route, headers={"origin": "http://localhost:7860"}).status_code == 200
+    # Whole origins: a page on another port of this machine (a notebook, a dev server) is another origin.
+    for host in ("localhost:1234", "127.0.0.1", "127.0.0.1:80", "[::1]:8999", "127.0.0.1:x"):
+        answer = client.get(route, headers={"host": host})
+        assert answer.status_code == 403 and "port 7860" in answer.json()["error"], (host, answer.text)
+    for origin in ("http://127.0.0.1:8999", "http://localhost", "https://127.0.0.1:7860", "http://[::1]:8999"):
+        answer = client.get(route, headers={"origin": origin})
+        assert answer.status_code == 403 and "Origin" in answer.json()["error"], (origin, answer.text)
 
 
 def test_host_named_by_host_or_allow_host_is_allowed(tmp_path):
@@ -167,12 +176,18 @@ def test_host_named_by_host_or_allow_host_is_allowed(tmp_path):
     from cluster.webui.server import create_app
 
     app = create_app(str(tmp_path / "share"), token="t", cwd=str(tmp_path), host="10.1.2.3",
-                     allowed_hosts=["ui.example"])
+                     allowed_hosts=["ui.example", "https://proxy.example"])
     client = TestClient(app, base_url="http://10.1.2.3:7860", raise_server_exceptions=False)
     headers = {"x-rayfactory-token": "t"}
     assert client.get("/api/spec", headers=headers).status_code == 200
-    assert client.get("/api/spec", headers={**headers, "host": "ui.example:80",
-                                            "origin": "https://ui.example"}).status_code == 200
+    assert client.get("/api/spec", headers={**headers, "host": "ui.example:7860",
+                                            "origin": "http://ui.example:7860"}).status_code == 200
+    assert client.get("/api/spec", headers={**headers, "host": "ui.example:80"}).status_code == 403
+    # A whole origin given to --allow-host: a TLS proxy in front, whose Host is its own.
+    assert client.get("/api/spec", headers={**headers, "host": "proxy.example",
+                                            "origin": "https://proxy.example"}).status_code == 200
+    assert client.get("/api/spec", headers={**headers, "host": "proxy.example",
+                                            "origin": "https://proxy.example:8443"}).status_code == 403
     assert client.get("/api/spec", headers={**headers, "host": "127.0.0.1:7860"}).status_code == 200
     assert client.get("/api/spec", headers={**headers, "host": "10.1.2.4:7860"}).status_code == 403
 
