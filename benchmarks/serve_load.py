@@ -54,7 +54,8 @@ def start_server(args: argparse.Namespace) -> str:
 
     config = {"model_name_or_path": args.model_path, "template": args.template, "do_sample": False,
               "max_new_tokens": args.max_tokens, "infer_backend": args.backend, "vllm_maxlen": 512,
-              "serve_num_replicas": args.replicas, "serve_max_ongoing_requests": max(args.concurrency, 1)}
+              "serve_num_replicas": args.replicas, "serve_max_ongoing_requests": max(args.concurrency, 1),
+              "serve_max_waiting": max(args.concurrency, 1)}  # the load waits its turns: no 429s
     connect(RayArguments(ray_num_cpus=max(4, args.replicas + 2)))
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

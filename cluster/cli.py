@@ -100,6 +100,9 @@ def build_parser() -> argparse.ArgumentParser:
         serve.add_argument("overrides", nargs="*", metavar="key=value", help="override config keys")
         serve.add_argument("--host", help="address to listen on (default: API_HOST, api_host, 127.0.0.1)")
         serve.add_argument("--port", type=int, help="port to listen on (default: API_PORT, api_port, 8000)")
+        serve.add_argument("--allow-host", action="append", default=[], metavar="NAME",
+                           help="without an API key, also answer requests whose Host header is NAME (repeatable; "
+                                "the config key serve_allow_hosts); loopback names always are")
         serve.add_argument("--write-serve-config", metavar="PATH",
                            help="write a Ray Serve config YAML for `serve run` / `serve deploy` and exit")
         serve.set_defaults(handler=_lazy("cluster.serve.cli", "run_serve"))

@@ -9,7 +9,8 @@ parsers, where ours come from the training template (the exact token sequence tr
       args: {config: /abs/cfg.yaml, overrides: [...]}
 
 Each replica loads the model in ``__init__`` and answers on its event loop (ChatModel's async
-API); the engine queues or batches concurrent requests itself.
+API); the engine batches concurrent requests (vLLM) or has them take turns (transformers). Who
+may call, how many wait and for how long: admission.py.
 """
 
 # No `from __future__ import annotations` here: FastAPI reads the route methods' annotations
@@ -18,7 +19,7 @@ API); the engine queues or batches concurrent requests itself.
 # into a 400 for a missing "request" query parameter.
 import asyncio
 import hmac
-from typing import Any, AsyncIterator, Iterable, Optional
+from typing import Any, AsyncIterator, Awaitable, Iterable, Optional
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -33,6 +34,7 @@ from stages.inference.scoring import is_reward_output
 from stages.training.value_head import VALUE_HEAD_FILE
 
 from . import protocol as p
+from .admission import Admission, TimeBudget, allowed_hosts, check_host
 from .images import decode_image_url
 from .streams import EventStream
 from cluster.serve.serve_args import RequestLimits, ServeArguments, resolve_api_key
@@ -46,7 +48,7 @@ api = FastAPI(title="RayFactory OpenAI-compatible API", docs_url=None, redoc_url
 
 @api.exception_handler(p.APIError)
 async def _api_error(request: Request, exc: p.APIError):
-    return JSONResponse(exc.body(), status_code=exc.status)
+    return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers)
 
 
 @api.exception_handler(RequestValidationError)  # FastAPI's own 422 format, answered as OpenAI's 400
@@ -106,38 +108,6 @@ class _client_errors:
         return False
 
 
-class _TimeBudget:
-    """``async with _TimeBudget(s) as budget``: once ``budget.start()`` is called, the enclosed awaits
-    are cancelled after ``s`` seconds and TimeoutError is raised (asyncio.timeout, also on Python
-    3.10, started late). The work stays in the caller's task: a client that goes away cancels it all.
-    A generation starts it at its first token, so time spent queued behind another request's
-    generation (the transformers engine answers one at a time) is not held against this one."""
-
-    def __init__(self, seconds: float):
-        self.seconds, self.expired, self._handle, self._task = seconds, False, None, None
-
-    async def __aenter__(self) -> "_TimeBudget":
-        self._task = asyncio.current_task()
-        return self
-
-    def start(self) -> None:
-        if self._handle is None:
-            self._handle = asyncio.get_running_loop().call_later(self.seconds, self._expire)
-
-    def _expire(self) -> None:
-        self.expired = True
-        self._task.cancel()
-
-    async def __aexit__(self, kind, exc, tb) -> bool:
-        if self._handle is not None:
-            self._handle.cancel()
-        if kind is asyncio.CancelledError and self.expired:
-            if hasattr(self._task, "uncancel"):
-                self._task.uncancel()
-            raise TimeoutError from None
-        return False
-
-
 def _score_all(scorer, converted: list[tuple[list[dict], Optional[str]]]) -> list[float]:
     """One scorer call per system prompt (the scorer takes one system for a batch), in order."""
     scores: list[Optional[float]] = [None] * len(converted)
@@ -159,12 +129,17 @@ def _load_scorer(spec: InferenceSpec):
 @serve.ingress(api)
 class ChatServer:
     def __init__(self, spec: InferenceSpec, api_key: Optional[str] = None, with_scorer: bool = False,
-                 limits: Optional[RequestLimits] = None, docs: bool = False):
+                 limits: Optional[RequestLimits] = None, docs: bool = False, hosts: Iterable[str] = ()):
         self.chat = ChatModel(spec)
         self.model_name = spec.model_name()
         self.adapter_models = list((spec.inference.lora_modules or {}).keys())
         self.api_key = api_key or None
+        self.hosts = allowed_hosts("", hosts)  # what Host may name when there is no key (loopback and these)
         self.limits = limits or ServeArguments().request_limits()
+        turns = getattr(self.chat.engine, "turns", None)  # the transformers engine's; vLLM batches instead
+        if turns is not None:
+            turns.turn_s = self.limits.turn_s
+        self.admission = Admission(self.limits.max_waiting if turns is not None else None)
         self.scorer = _load_scorer(spec) if with_scorer else None
         self._score_lock = asyncio.Lock()  # the scorer is a plain torch model: one batch at a time
         self.docs = docs
@@ -195,6 +170,7 @@ class ChatServer:
 
     @api.post("/v1/chat/completions")
     async def chat_completions(self, request: Request):
+        budget = TimeBudget(self.limits.timeout_s)  # from arrival: waiting for the engine counts
         self._authorize(request)
         body: p.ChatCompletionRequest = await self._body(request, p.ChatCompletionRequest)
         adapter = self._adapter(body.model)
@@ -206,14 +182,17 @@ class ChatServer:
             prepared = await self.chat.arequest(messages, system, tools, images=images,
                                                 **p.chat_options(body, adapter))
             self._check_room(prepared, body.max_completion_tokens or body.max_tokens)
+            slot = self.admission.admit()
             if body.stream:
-                return self._stream(body, prepared, tools)
-            responses = await self._within_budget(lambda start: self.chat.generate_request(prepared, tools, start))
+                return self._stream(body, prepared, tools, budget, slot)
+            with slot:
+                responses = await self._within_budget(budget, self.chat.generate_request(prepared, tools))
         return p.completion(responses, body.model, self.chat.tokenizer)
 
     @api.post("/v1/score")
     async def score(self, request: Request):
         """Reward-model scores of whole conversations (each ends on the assistant reply)."""
+        budget = TimeBudget(self.limits.timeout_s)
         self._authorize(request)
         body: p.ScoreRequest = await self._body(request, p.ScoreRequest)
         self._adapter(body.model)  # 404 for a name this server does not know
@@ -231,16 +210,20 @@ class ChatServer:
             raise p.APIError(400, "/v1/score takes text only: the reward model reads no images.", param="messages")
         with _client_errors(ValueError):
             converted = [p.to_chat_inputs(c, ends_on_reply=True) for c in conversations]
-            async with self._score_lock:
-                scores = await self._within_budget(
-                    lambda start: asyncio.to_thread(_score_all, self.scorer, converted), start_now=True)
+            scores = await self._within_budget(budget, self._score(converted))
         return {"object": "list", "model": body.model, "scores": scores,
                 "data": [{"object": "score", "index": i, "score": s} for i, s in enumerate(scores)]}
 
     # --- helpers -----------------------------------------------------------------------------
 
+    async def _score(self, converted) -> list[float]:
+        async with self._score_lock:
+            return await asyncio.to_thread(_score_all, self.scorer, converted)
+
     def _authorize(self, request: Request) -> None:
+        """The API key, or without one the Host header (admission.py)."""
         if self.api_key is None:
+            check_host(request.headers, self.hosts)
             return
         header = dict(request.headers.raw).get(b"authorization", b"")  # bytes: any header compares, none raises
         scheme, _, token = header.partition(b" ")
@@ -307,39 +290,36 @@ class ChatServer:
                                   "Lower max_tokens or shorten the messages.", param="max_tokens",
                              code="context_length_exceeded")
 
-    async def _within_budget(self, work, start_now: bool = False):
-        """``work(start)`` stopped past serve_request_timeout_s from when it calls ``start()`` (or
-        from now), with a 408, so one request cannot hold a replica."""
+    async def _within_budget(self, budget: TimeBudget, work: Awaitable):
+        """``work`` stopped with a 408 at the request's budget, so one request cannot hold a replica."""
         try:
-            async with _TimeBudget(self.limits.timeout_s) as budget:
-                if start_now:
-                    budget.start()
-                return await work(budget.start)
+            async with budget:
+                return await work
         except TimeoutError:
             raise p.APIError(408, self._timeout_message(), code="timeout") from None
 
     def _timeout_message(self) -> str:
         return (f"the request ran past this server's time budget of {self.limits.timeout_s:g} s "
-                "(serve_request_timeout_s) and was stopped; ask for fewer tokens (max_tokens) or fewer choices (n).")
+                "(serve_request_timeout_s, counted from its arrival, waiting included) and was stopped; ask for "
+                "fewer tokens (max_tokens) or fewer choices (n), or retry when the server is less busy.")
 
-    def _stream(self, body: p.ChatCompletionRequest, prepared, tools) -> EventStream:
+    def _stream(self, body: p.ChatCompletionRequest, prepared, tools, budget: TimeBudget, slot) -> EventStream:
         cid, name = p.completion_id(), body.model
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
-        budget = _TimeBudget(self.limits.timeout_s)
 
         async def deltas():
             if tools:  # tool calls are parsed from the whole reply: answer once, as chunks
-                for response in await self.chat.generate_request(prepared, tools, budget.start):
+                for response in await self.chat.generate_request(prepared, tools):
                     yield _WholeDelta(response)
             else:
-                async for delta in self.chat.stream_request(prepared, budget.start):
+                async for delta in self.chat.stream_request(prepared):
                     yield delta
 
         async def events() -> AsyncIterator[str]:
             started, completion_tokens = set(), 0
             source = deltas()
             try:
-                async with budget:  # counted from the first token, for the whole reply
+                async with budget:  # counted from the request's arrival, for the whole reply
                     async for delta in source:
                         if delta.index not in started:
                             started.add(delta.index)
@@ -356,6 +336,7 @@ class ChatServer:
                 yield p.sse(p.error_body(str(exc)))
             finally:
                 await source.aclose()
+                slot.release()
             yield p.sse("[DONE]")
 
         return EventStream(events(), media_type="text/event-stream")
@@ -391,8 +372,9 @@ def build_app(config, overrides: Iterable[str] = (), api_key: Optional[str] = No
 
     cfg = config if isinstance(config, RunConfig) else load_config(config, list(overrides), purpose="infer")
     key = api_key if api_key is not None else resolve_api_key(cfg)
+    hosts = allowed_hosts(cfg.serve.api_host, cfg.serve.serve_allow_hosts)
     return ChatServer.options(**deployment_options(cfg.serve)).bind(
-        cfg.inference_spec(), key, needs_scorer(cfg), cfg.serve.request_limits(), cfg.serve.serve_docs)
+        cfg.inference_spec(), key, needs_scorer(cfg), cfg.serve.request_limits(), cfg.serve.serve_docs, hosts)
 
 
 def app_builder(args: dict[str, Any]):

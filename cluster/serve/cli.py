@@ -1,7 +1,9 @@
 """``rayfactory serve cfg.yaml`` (alias ``api``): the OpenAI-compatible endpoint on Ray Serve.
 
 Where it listens: ``--host``/``--port``, else ``API_HOST``/``API_PORT``, else the config's
-``api_host``/``api_port``, else 127.0.0.1:8000. The key: ``API_KEY``, else ``api_key``.
+``api_host``/``api_port``, else 127.0.0.1:8000. The key: ``API_KEY``, else ``api_key``. Without a
+key, requests must name the server in their Host header: loopback, or a name ``--allow-host``
+gives (the ``serve_allow_hosts`` key; cluster/serve/admission.py).
 ``--write-serve-config PATH`` writes the equivalent Ray Serve config (for ``serve run`` /
 ``serve deploy`` on a cluster) and starts nothing.
 """
@@ -102,11 +104,14 @@ def run_serve(args: argparse.Namespace) -> int:
 
     from ..driver import check_local_paths
 
-    cfg = load_config(args.config, args.overrides, purpose="infer")
+    overrides = list(args.overrides)
+    if getattr(args, "allow_host", None):  # a config key, so that a written Serve config carries it too
+        overrides.append(f"serve_allow_hosts={','.join(args.allow_host)}")
+    cfg = load_config(args.config, overrides, purpose="infer")
     check_local_paths(cfg)  # a missing folder fails now, not in a replica after Ray and Serve started
     host, port = resolve_address(args, cfg)
     if getattr(args, "write_serve_config", None):
-        path = write_serve_config(args.write_serve_config, serve_config(cfg, args.config, args.overrides, host, port))
+        path = write_serve_config(args.write_serve_config, serve_config(cfg, args.config, overrides, host, port))
         print(f"rayfactory: wrote the Ray Serve config {path} (serve run {path})")
         return 0
 

@@ -26,9 +26,10 @@ class APIError(Exception):
     """An answer other than 200, with OpenAI's error body."""
 
     def __init__(self, status: int, message: str, type: str = "invalid_request_error",
-                 param: Optional[str] = None, code: Optional[str] = None):
+                 param: Optional[str] = None, code: Optional[str] = None, headers: Optional[dict] = None):
         super().__init__(message)
         self.status, self.message, self.type, self.param, self.code = status, message, type, param, code
+        self.headers = headers  # e.g. Retry-After on a 429
 
     def body(self) -> dict:
         return error_body(self.message, self.type, self.param, self.code)

@@ -19,6 +19,9 @@ class ServeArguments:
     api_host: str = "127.0.0.1"  # loopback by default: nothing outside this machine can reach it
     api_port: int = 8000
     api_key: Optional[str] = None  # when set, every request needs "Authorization: Bearer <key>"
+    # Without a key, the Host header must name this server: loopback, api_host, or one of these
+    # (`--allow-host`), so a web page whose own name resolves to 127.0.0.1 (DNS rebinding) cannot use it.
+    serve_allow_hosts: list[str] = field(default_factory=list)
     serve_num_replicas: int = 1
     # Ray Serve autoscaling_config (min_replicas, max_replicas, target_ongoing_requests, ...);
     # when set it replaces serve_num_replicas.
@@ -30,7 +33,10 @@ class ServeArguments:
     serve_max_n: int = 16  # choices per request
     serve_max_stop: int = 16  # stop strings per request (OpenAI allows 4)
     serve_max_stop_length: int = 256  # characters in one stop string
-    serve_request_timeout_s: float = 300  # a request still generating this long after its first token is stopped (408)
+    serve_request_timeout_s: float = 300  # a request not answered this long after it arrived is stopped (408)
+    # The transformers engine (one model, requests take turns on it; vLLM batches them itself):
+    serve_max_waiting: int = 16  # requests waiting behind the generating one; more get 429 + Retry-After
+    serve_turn_s: float = 0.25  # how long one request generates while others wait before the next one's turn
     serve_docs: bool = False  # /docs and /openapi.json (their page loads scripts from a CDN)
     # Images (a vision model's image_url parts, base64 data URLs): each is also inside the request
     # body, so serve_max_request_bytes bounds them too; raise it for large pictures.
@@ -41,7 +47,8 @@ class ServeArguments:
     def request_limits(self) -> "RequestLimits":
         return RequestLimits(self.serve_max_request_bytes, self.serve_max_n, self.serve_max_stop,
                              self.serve_max_stop_length, self.serve_request_timeout_s, self.serve_max_images,
-                             self.serve_max_image_bytes, self.serve_max_image_pixels)
+                             self.serve_max_image_bytes, self.serve_max_image_pixels, self.serve_max_waiting,
+                             self.serve_turn_s)
 
     def __post_init__(self) -> None:
         if not 0 < self.api_port < 65536:
@@ -57,6 +64,19 @@ class ServeArguments:
                 or not self.serve_request_timeout_s > 0:
             raise ArgumentError("serve_request_timeout_s", "serve_request_timeout_s is seconds, a number above 0, got "
                                                            f"{self.serve_request_timeout_s!r}.")
+        if isinstance(self.serve_max_waiting, bool) or not isinstance(self.serve_max_waiting, int) \
+                or self.serve_max_waiting < 0:
+            raise ArgumentError("serve_max_waiting", "serve_max_waiting is how many requests may wait for the "
+                                f"transformers engine, a whole number of at least 0, got {self.serve_max_waiting!r}.")
+        if isinstance(self.serve_turn_s, bool) or not isinstance(self.serve_turn_s, (int, float)) \
+                or not 0 <= self.serve_turn_s < self.serve_request_timeout_s:
+            raise ArgumentError("serve_turn_s", "serve_turn_s is seconds one request generates before a waiting one "
+                                "takes its turn: 0 (turns at every token) or more, and below serve_request_timeout_s "
+                                f"({self.serve_request_timeout_s:g}), got {self.serve_turn_s!r}.")
+        for name in self.serve_allow_hosts:
+            if not name.strip() or "/" in name or name.strip().count(":") == 1:
+                raise ArgumentError("serve_allow_hosts", f"serve_allow_hosts takes host names (api.example, "
+                                    f"10.0.0.5), without a scheme or port; got {name!r}.")
         if self.serve_max_ongoing_requests < 1:
             raise ArgumentError(
                 "serve_max_ongoing_requests",
@@ -76,6 +96,8 @@ class RequestLimits:
     max_images: int = 8
     max_image_bytes: int = 8 << 20
     max_image_pixels: int = 4096 * 4096
+    max_waiting: int = 16
+    turn_s: float = 0.25
 
 
 def resolve_api_key(cfg) -> Optional[str]:

@@ -4,11 +4,12 @@ Two ways in, one model:
 * ``generate_batch`` (rollouts, evaluations): many prompts, left-padded into batches, n samples
   each; the raw log-prob of every sampled token comes from ``output_logits``. Inside an RL policy
   worker this samples from the very weights being trained, so it needs no weight sync at all.
-* ``stream`` / ``generate`` (chat, serve, predict): one request at a time per engine (adapters
-  are switched per request on a shared PeftModel, which is not safe to do concurrently), in a
-  thread, queued on an asyncio lock. Each step's tokens and raw log-probs are observed as they
-  are produced (a streamer plus a forward hook on the output embedding, which sees the logits
-  before any temperature or top-k), so streaming and whole replies are the same loop.
+* ``stream`` / ``generate`` (chat, serve, predict): each request's ``generate`` in a thread of
+  its own; the requests take turns on the model, ``turn_s`` seconds each while others wait, so a
+  short request is not held behind a long reply (hf_turns.py: what a turn sets up and takes down
+  on the shared model, such as the request's adapter). Each step's tokens and raw log-probs are
+  observed as they are produced (a streamer plus a forward hook on the output embedding, which
+  sees the logits before any temperature or top-k), so streaming and whole replies are the same loop.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from typing import AsyncIterator
 import torch
 from transformers import StoppingCriteria, StoppingCriteriaList
 
+from .hf_turns import TURN_S, Abandoned, Turn, Turns
 from .types import Completion, GenerationRequest, SamplingSpec, StreamDelta, check_prompt_fits, collect, cut_at_stop
 
 _DONE = object()
@@ -30,16 +32,17 @@ class HFEngine:
     name = "huggingface"
 
     def __init__(self, model, pad_token_id: int, max_model_len: int | None = None, adapters: tuple[str, ...] = (),
-                 default_adapter: str | None = None):
+                 default_adapter: str | None = None, turn_s: float = TURN_S):
         """``model``: a causal LM, or a PeftModel whose named adapters are ``adapters``;
         ``default_adapter`` is active when a request names none. ``max_model_len``: the context
-        window requests must fit (None: the model's positions)."""
+        window requests must fit (None: the model's positions). ``turn_s``: how long a request
+        generates while others wait (``turns.turn_s`` may change it later)."""
         self.model = model
         self.pad_token_id = pad_token_id
         self.max_model_len = max_model_len or getattr(model.config, "max_position_embeddings", None) or 2**31
         self.adapters = tuple(adapters)
         self.default_adapter = default_adapter
-        self._lock = asyncio.Lock()
+        self.turns = Turns(turn_s)
 
     # --- rollouts: many prompts at once ------------------------------------------------------
 
@@ -99,7 +102,7 @@ class HFEngine:
             completions.append(Completion(tokens[:end], finish, logprobs, top, 0, prompt_index))
         return completions
 
-    # --- requests: one at a time, streamed ---------------------------------------------------
+    # --- requests: streamed, taking turns on the model ----------------------------------------
 
     async def generate(self, request: GenerationRequest) -> list[Completion]:
         return await collect(self.stream(request), request.sampling)
@@ -109,23 +112,32 @@ class HFEngine:
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue = asyncio.Queue()
         cancel = threading.Event()
+        ended = asyncio.Event()
 
         def emit(item) -> None:
             loop.call_soon_threadsafe(queue.put_nowait, item)
 
-        async with self._lock:
-            worker = loop.run_in_executor(None, self._run, request, budget, emit, cancel)
+        def work() -> None:
             try:
-                while True:
-                    item = await queue.get()
-                    if item is _DONE:
-                        break
-                    if isinstance(item, BaseException):
-                        raise item
-                    yield item
+                self._run(request, budget, emit, cancel)
             finally:
-                cancel.set()  # a consumer that stops reading (stop string, client gone) ends the generation
-                await worker
+                loop.call_soon_threadsafe(ended.set)
+
+        # A thread of its own, not the loop's executor: a request waiting for its turn blocks its
+        # thread, and the executor's few threads also decode the replies (asyncio.to_thread).
+        threading.Thread(target=work, name="hf-generate", daemon=True).start()
+        try:
+            while True:
+                item = await queue.get()
+                if item is _DONE:
+                    break
+                if isinstance(item, BaseException):
+                    raise item
+                yield item
+        finally:
+            cancel.set()  # a consumer that stops reading (stop string, timeout, client gone) ends the generation
+            self.turns.wake()  # also one still waiting for a turn
+            await ended.wait()
 
     async def close(self) -> None:
         return None
@@ -133,16 +145,13 @@ class HFEngine:
     def _run(self, request: GenerationRequest, budget: int, emit, cancel: threading.Event) -> None:
         try:
             sampling = request.sampling
-            active = self._select_adapter(request.adapter)
-            observer = _StepObserver(request, budget, emit)
-            handle = None
-            if sampling.logprobs is not None:
-                head = self.model.get_output_embeddings()
-                handle = head.register_forward_hook(lambda _m, _i, out: observer.see_logits(out))
-            if sampling.seed is not None:
-                torch.manual_seed(sampling.seed)
+            turn = Turn(self, request, cancel)
+            observer = turn.observer = _StepObserver(request, budget, emit, turn.between_steps)
+            if not turn.begin():
+                emit(_DONE)  # the consumer left while the request waited for its first turn
+                return
             try:
-                with torch.no_grad(), _evaluating(self.model), active:
+                with torch.no_grad():
                     self.model.generate(
                         input_ids=torch.tensor([list(request.prompt_ids)], device=self.model.device),
                         attention_mask=torch.ones(1, len(request.prompt_ids), dtype=torch.long, device=self.model.device),
@@ -156,9 +165,10 @@ class HFEngine:
                         **self._image_kwargs(request.images),
                     )
             finally:
-                if handle is not None:
-                    handle.remove()
+                turn.end()
             observer.finish()
+        except Abandoned:
+            pass
         except BaseException as exc:  # noqa: BLE001 (handed to the awaiting coroutine)
             emit(exc)
         emit(_DONE)
@@ -172,15 +182,22 @@ class HFEngine:
         return {key: value.to(self.model.device, dtype=dtype if value.is_floating_point() else None)
                 if isinstance(value, torch.Tensor) else value for key, value in images.items()}
 
-    def _select_adapter(self, name: str | None):
-        """Activate the request's adapter; the context to generate in (adapters off for the bare base)."""
+    def select_adapter(self, name: str | None) -> bool:
+        """Activate the request's adapter; True when that switched the adapters off (the bare base),
+        which ``rest_adapters`` undoes."""
         name = name or self.default_adapter
         if name is None:
-            return self.model.disable_adapter() if self.adapters else contextlib.nullcontext()
+            if self.adapters:
+                self.model.base_model.disable_adapter_layers()
+            return bool(self.adapters)
         if name not in self.adapters:
             raise KeyError(f"unknown adapter {name!r}; this engine has {list(self.adapters)}")
         self.model.set_adapter(name)
-        return contextlib.nullcontext()
+        return False
+
+    def rest_adapters(self) -> None:
+        """The adapter layers on again: how the model is left between requests."""
+        self.model.base_model.enable_adapter_layers()
 
 
 @contextlib.contextmanager
@@ -206,8 +223,8 @@ class _StepObserver:
     """A transformers streamer: receives each step's tokens (one per reply) and turns them into
     StreamDeltas; a reply ends at its first stop token or at the budget."""
 
-    def __init__(self, request: GenerationRequest, budget: int, emit):
-        self.sampling, self.budget, self.emit = request.sampling, budget, emit
+    def __init__(self, request: GenerationRequest, budget: int, emit, between_steps=lambda: None):
+        self.sampling, self.budget, self.emit, self.between_steps = request.sampling, budget, emit, between_steps
         self.n = request.sampling.n
         self.stop_ids = set(request.sampling.stop_token_ids)
         self.lengths = [0] * self.n
@@ -237,6 +254,8 @@ class _StepObserver:
                 step = self.step_logprobs[index % rows]
                 logprobs, top = [float(step[token])], [_top(step, self.sampling.logprobs)]
             self.emit(StreamDelta([token], logprobs, top, reason, index))
+        if not all(self.finished):  # the last step hands nothing on: the request ends with it
+            self.between_steps()
 
     def end(self) -> None:
         pass

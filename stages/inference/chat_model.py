@@ -178,28 +178,22 @@ class ChatModel:
         async for delta in self.stream_request(await self.arequest(messages, system, tools, **options)):
             yield delta
 
-    async def generate_request(self, request: GenerationRequest, tools=None, on_start=None) -> list[Response]:
-        """The whole replies to a request built by ``arequest`` (tools: to parse the replies' calls).
-        ``on_start()`` is called when the engine hands over the first token (a server's time budget
-        counts from then, not from the wait behind other requests)."""
+    async def generate_request(self, request: GenerationRequest, tools=None) -> list[Response]:
+        """The whole replies to a request built by ``arequest`` (tools: to parse the replies' calls)."""
         replies = {i: _Reply(self, request, i) for i in range(request.sampling.n)}
-        async for _ in self._deltas(request, replies, on_start):
+        async for _ in self._deltas(request, replies):
             pass
         return [replies[i].response(tools) for i in range(request.sampling.n)]
 
-    async def stream_request(self, request: GenerationRequest, on_start=None) -> AsyncIterator[ChatDelta]:
+    async def stream_request(self, request: GenerationRequest) -> AsyncIterator[ChatDelta]:
         replies = {i: _Reply(self, request, i) for i in range(request.sampling.n)}
-        async for delta in self._deltas(request, replies, on_start):
+        async for delta in self._deltas(request, replies):
             yield delta
 
-    async def _deltas(self, request: GenerationRequest, replies: dict[int, "_Reply"],
-                      on_start=None) -> AsyncIterator[ChatDelta]:
+    async def _deltas(self, request: GenerationRequest, replies: dict[int, "_Reply"]) -> AsyncIterator[ChatDelta]:
         stream = self.engine.stream(request)
         try:
             async for step in stream:
-                if on_start is not None:
-                    on_start()
-                    on_start = None
                 # Decoding and stop-string scanning in a thread: the event loop stays free for other requests.
                 delta = await asyncio.to_thread(replies[step.index].add, step)
                 if delta is not None:

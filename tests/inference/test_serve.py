@@ -42,7 +42,10 @@ def tool_caller(tmp_path_factory):
 def config(adapter_outputs, tool_caller):
     return {"model_name_or_path": BASE, "template": "qwen", "adapter_name_or_path": adapter_outputs["math"],
             "lora_modules": {"poet": adapter_outputs["poet"], "tools": tool_caller}, "do_sample": False, "max_new_tokens": MAX_NEW,
-            "vllm_maxlen": MAXLEN, "api_key": API_KEY, "serve_max_ongoing_requests": 64}
+            "vllm_maxlen": MAXLEN, "api_key": API_KEY, "serve_max_ongoing_requests": 64,
+            # 32 requests at once all wait their turns, which come at every token: the most switching
+            # of adapters between requests, so an answer given with another request's adapter would show.
+            "serve_max_waiting": 32, "serve_turn_s": 0}
 
 
 @pytest.fixture(scope="module")

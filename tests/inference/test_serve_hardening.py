@@ -4,7 +4,8 @@ A real Ray Serve on 127.0.0.1 with the transformers engine over the tiny model, 
 low (serve_max_* keys, a 0.5 s time budget) so that each one is reached in a second. What is
 asserted: each limit answers a 4xx with OpenAI's error body before any work starts, while a
 small concurrent request is answered within a second; no malformed request gets a 5xx; user text
-that spells the template's markers does not become them.
+that spells the template's markers does not become them. A second app on the same Serve, without a
+key (``/open``), is the one the Host guard, the queue bound and the engine's turns are tested on.
 """
 
 from __future__ import annotations
@@ -36,6 +37,12 @@ def config():
             "serve_request_timeout_s": BUDGET_S}
 
 
+# The keyless app: a 3 s budget, turns of 0.2 s, at most 2 requests waiting behind the generating one.
+OPEN_BUDGET_S, TURN_S, MAX_WAITING, ALLOWED_HOST = 3.0, 0.2, 2, "api.internal"
+# Runs past the 3 s budget: 4 sampled replies of up to 1900 tokens (the longest takes ~5 s here).
+LONG = {"model": "tiny", "messages": HELLO, "max_tokens": 1900, "n": 4, "temperature": 1, "stop": ["never seen"]}
+
+
 @pytest.fixture(scope="module")
 def server(ray_session, config):
     from ray import serve
@@ -47,6 +54,9 @@ def server(ray_session, config):
     port = _free_port()
     serve.start(http_options={"host": "127.0.0.1", "port": port})
     serve.run(build_app(config), name="rayfactory-hardening", route_prefix="/")
+    serve.run(build_app({**config, "api_key": None, "vllm_maxlen": 2048, "serve_request_timeout_s": OPEN_BUDGET_S,
+                         "serve_turn_s": TURN_S, "serve_max_waiting": MAX_WAITING,
+                         "serve_allow_hosts": [ALLOWED_HOST]}, api_key=""), name="rayfactory-open", route_prefix="/open")
     yield f"http://127.0.0.1:{port}"
     serve.shutdown()
 
@@ -58,7 +68,7 @@ def _post(server: str, body, headers=None, path="/v1/chat/completions") -> httpx
 
 
 def _small_request_ok(server: str) -> None:
-    answer = _post(server, {"model": "tiny", "messages": HELLO, "max_tokens": 2})
+    answer = _post(server, {"model": "tiny", "messages": HELLO, "max_tokens": 2})  # the key: ignored by /open
     assert answer.status_code == 200 and answer.json()["usage"]["completion_tokens"] <= 2, answer.text
 
 
@@ -255,6 +265,66 @@ def test_docs_are_off_and_any_key_header_is_a_401(server):
     assert answer.status_code == 401 and answer.json()["error"]["code"] == "invalid_api_key"
 
 
+# --- the keyless app: who may call, how many wait, how long ------------------------------------
+
+def test_without_a_key_only_known_host_names_are_answered(server):
+    """A DNS-rebinding page (evil.example resolved to 127.0.0.1) sends its own name as Host."""
+    chat = {"model": "tiny", "messages": HELLO, "max_tokens": 1}
+    for host in ("evil.example", "evil.example:8000", "127.0.0.1.evil.example"):
+        refused = httpx.post(server + "/open/v1/chat/completions", json=chat, headers={"Host": host}, timeout=30)
+        assert refused.status_code == 403, (host, refused.text)
+        error = refused.json()["error"]
+        assert error["code"] == "host_not_allowed" and "--allow-host" in error["message"], error
+    assert httpx.get(server + "/open/v1/models", headers={"Host": "evil.example"}, timeout=30).status_code == 403
+    for host in (None, "localhost:8000", "[::1]:8000", ALLOWED_HOST, ALLOWED_HOST.upper() + ":443"):
+        answer = httpx.post(server + "/open/v1/chat/completions", json=chat, timeout=30,
+                            headers={"Host": host} if host else {})
+        assert answer.status_code == 200, (host, answer.text)
+    # With a key, the key is the guard: any name may carry it (a proxy, a tunnel).
+    keyed = httpx.post(server + "/v1/chat/completions", json=chat, timeout=30,
+                       headers={"Host": "evil.example", "Authorization": f"Bearer {API_KEY}"})
+    assert keyed.status_code == 200, keyed.text
+
+
+async def _post_all(url: str, bodies: list[dict], gap_s: float = 0.0) -> list[tuple[httpx.Response, float]]:
+    """Each body posted ``gap_s`` after the one before; (answer, seconds from its own sending)."""
+    async with httpx.AsyncClient(timeout=120) as http:
+        async def one(i: int, body: dict):
+            await asyncio.sleep(i * gap_s)
+            started = time.perf_counter()
+            answer = await http.post(url, json=body)
+            return answer, time.perf_counter() - started
+
+        return await asyncio.gather(*(one(i, body) for i, body in enumerate(bodies)))
+
+
+def test_a_flood_past_the_queue_bound_gets_429_with_retry_after(server):
+    url = server + "/open/v1/chat/completions"
+    flood = asyncio.run(_post_all(url, [{**LONG, "max_tokens": 50}] * 12))
+    statuses = [answer.status_code for answer, _ in flood]
+    assert set(statuses) == {200, 429} and statuses.count(200) >= 1 + MAX_WAITING, statuses
+    for answer, seconds in flood:
+        if answer.status_code == 429:
+            assert answer.json()["error"]["code"] == "rate_limit_exceeded" and seconds < 1.0
+            assert int(answer.headers["retry-after"]) >= 1
+    _small_request_ok(server + "/open")
+
+
+def test_a_short_request_waits_one_turn_behind_a_long_one(server):
+    (long, _), (short, seconds) = asyncio.run(_post_all(
+        server + "/open/v1/chat/completions", [LONG, {"model": "tiny", "messages": HELLO, "max_tokens": 1}], 0.3))
+    assert short.status_code == 200 and long.status_code == 408
+    assert seconds < TURN_S + 1.0, f"a 1-token request waited {seconds:.2f} s behind a long one"
+
+
+def test_a_queued_request_is_timed_from_its_arrival(server):
+    """Waiting for the engine counts: a request behind a long one ends at its own budget."""
+    (first, _), (queued, seconds) = asyncio.run(_post_all(server + "/open/v1/chat/completions", [LONG, LONG], 0.3))
+    assert first.status_code == queued.status_code == 408 and queued.json()["error"]["code"] == "timeout"
+    assert seconds < OPEN_BUDGET_S + 1.0, f"a queued request's 408 came {seconds:.2f} s after it was sent"
+    _small_request_ok(server + "/open")
+
+
 # --- the `rayfactory serve` command ----------------------------------------------------------
 
 def _serve_command(tmp_path, config, *extra: str, env_key: str | None = None):
@@ -331,3 +401,23 @@ def test_serve_guards_its_ray_and_stops_fast_and_quietly(tmp_path, config):
     assert code == 0 and seconds < 15, text[-2000:]
     for noise in ("Traceback", "never retrieved", "WARNING"):
         assert noise not in text, text[-3000:]
+
+
+def test_allow_host_reaches_the_app_as_a_config_key(tmp_path, config, monkeypatch):
+    import yaml
+
+    from cluster.cli import main
+    from cluster.config import load_config
+    from cluster.serve.app import app_builder
+
+    monkeypatch.delenv("API_HOST", raising=False)
+    cfg = tmp_path / "serve.yaml"
+    cfg.write_text(yaml.safe_dump({k: v for k, v in config.items() if k != "api_key"}))
+    out = tmp_path / "serve_config.yaml"
+    assert main(["serve", str(cfg), "--allow-host", "api.internal", "--allow-host", "box.lan",
+                 "--write-serve-config", str(out)]) == 0
+    (app,) = yaml.safe_load(out.read_text())["applications"]
+    assert app["args"]["overrides"] == ["serve_allow_hosts=api.internal,box.lan"]
+    assert type(app_builder(app["args"])).__name__ == "Application"
+    assert load_config(str(cfg), app["args"]["overrides"], purpose="infer").serve.serve_allow_hosts == [
+        "api.internal", "box.lan"]
