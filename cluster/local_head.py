@@ -40,6 +40,7 @@ class Head:
     temp_dir: str
     agent_port: int
     token: str | None = None
+    client_port: int | None = None  # the Ray client server's (ray://), for a check that it wants the token
 
     def save(self, path: str) -> None:
         """The record, readable by this user only (it may hold the head's token)."""
@@ -89,7 +90,7 @@ def start_head(env: dict[str, str], num_cpus: int, token: str | None = None) -> 
         # after `ray start` itself has returned; that is how stop_head finds them.
         process = subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     head = Head(process.pid, f"127.0.0.1:{ports['port']}", f"http://127.0.0.1:{ports['dashboard-port']}",
-                temp_dir, ports["dashboard-agent-listen-port"], token)
+                temp_dir, ports["dashboard-agent-listen-port"], token, ports["ray-client-server-port"])
     try:
         _wait_until_ready(head, process)
     except BaseException:

@@ -2,7 +2,8 @@
 for how long (the time budget). Each answers a refusal in OpenAI's error shape.
 
 * Host: a server without an API key answers only requests whose Host header names it (loopback,
-  the configured ``api_host``, ``serve_allow_hosts`` / ``--allow-host``). A web page on another site
+  the configured ``api_host``, ``serve_allow_hosts`` / ``--allow-host``) on its port, and whose Origin,
+  when a browser sends one, is that same whole origin. A web page on another site
   whose name its owner resolves to 127.0.0.1 (DNS rebinding) sends that name as Host, so it cannot
   use the model. With a key, the key is the guard and any name may carry it (a proxy, a tunnel).
   The names are the web UI's rule (cluster/webui/guard.py), imported, not copied.
@@ -20,23 +21,21 @@ import math
 import time
 from typing import Optional
 
-from cluster.webui.guard import _host_name, allowed_hosts
+from cluster.webui.guard import allowed_hosts, listening, refused_host
 
 from . import protocol as p
 
 __all__ = ["Admission", "TimeBudget", "allowed_hosts", "check_host"]
 
 
-def check_host(headers, hosts: frozenset[str]) -> None:
-    """A 403 unless the request's Host header names this server (``hosts``: ``allowed_hosts``)."""
-    host = headers.get("host", "")
-    if _host_name(host) not in hosts:
-        raise p.APIError(
-            403, f"Host {host!r} refused: this server has no API key, so it answers only to "
-                 f"{', '.join(sorted(hosts))} (a guard against DNS rebinding: a web page whose name resolves to "
-                 "this machine). Reach it by one of those names, start it with --allow-host <name> "
-                 "(serve_allow_hosts) to allow another, or set an API key.",
-            type="permission_error", code="host_not_allowed")
+def check_host(request, hosts: frozenset[str]) -> None:
+    """A 403 unless the request's Host (and a browser's Origin) is this server's: a name of ``hosts``
+    (``allowed_hosts``) on the port and scheme the request came in on, as the web UI checks them."""
+    refusal = refused_host(request.headers, hosts, *listening(request.scope))
+    if refusal:
+        raise p.APIError(403, f"{refusal} (serve_allow_hosts in a config.) Without an API key this is what keeps "
+                              "web pages from using the model; with one (API_KEY, or api_key in the config), any name may carry it.",
+                         type="permission_error", code="host_not_allowed")
 
 
 class Admission:

@@ -223,7 +223,7 @@ class ChatServer:
     def _authorize(self, request: Request) -> None:
         """The API key, or without one the Host header (admission.py)."""
         if self.api_key is None:
-            check_host(request.headers, self.hosts)
+            check_host(request, self.hosts)
             return
         header = dict(request.headers.raw).get(b"authorization", b"")  # bytes: any header compares, none raises
         scheme, _, token = header.partition(b" ")

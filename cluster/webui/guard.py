@@ -75,7 +75,7 @@ def refused_host(headers, hosts: frozenset[str], scheme: str = "http", port: int
     page on another port of this machine (a notebook, a dev server) its own port. --allow-host may
     also give a whole origin (https://ui.example, a proxy in front): the Host header of that name is
     then the proxy's, whatever its port, and only that exact Origin is taken."""
-    allow = "start the web UI with --allow-host <name> to allow another name"
+    allow = "start the server with --allow-host <name> to allow another name"
     host = headers.get("host", "")
     name, host_port = _split_authority(host)
     proxied = any(h.split("://", 1)[1].split("/", 1)[0].split(":")[0] == name for h in hosts if "://" in h)

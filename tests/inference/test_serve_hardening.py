@@ -276,10 +276,19 @@ def test_without_a_key_only_known_host_names_are_answered(server):
         error = refused.json()["error"]
         assert error["code"] == "host_not_allowed" and "--allow-host" in error["message"], error
     assert httpx.get(server + "/open/v1/models", headers={"Host": "evil.example"}, timeout=30).status_code == 403
-    for host in (None, "localhost:8000", "[::1]:8000", ALLOWED_HOST, ALLOWED_HOST.upper() + ":443"):
+    port = server.rsplit(":", 1)[1]
+    for host in (None, f"localhost:{port}", f"[::1]:{port}", f"{ALLOWED_HOST}:{port}", f"{ALLOWED_HOST.upper()}:{port}"):
         answer = httpx.post(server + "/open/v1/chat/completions", json=chat, timeout=30,
                             headers={"Host": host} if host else {})
         assert answer.status_code == 200, (host, answer.text)
+    # Whole origins: another port of this machine (a notebook, a dev server) is another origin.
+    for headers in ({"Host": "localhost:1"}, {"Host": f"{ALLOWED_HOST}:443"}, {"Origin": "http://127.0.0.1:8999"},
+                    {"Origin": "http://evil.example"}):
+        refused = httpx.post(server + "/open/v1/chat/completions", json=chat, headers=headers, timeout=30)
+        assert refused.status_code == 403 and refused.json()["error"]["code"] == "host_not_allowed", (headers, refused.text)
+    own = httpx.post(server + "/open/v1/chat/completions", json=chat, headers={"Origin": f"http://127.0.0.1:{port}"},
+                     timeout=30)
+    assert own.status_code == 200, own.text
     # With a key, the key is the guard: any name may carry it (a proxy, a tunnel).
     keyed = httpx.post(server + "/v1/chat/completions", json=chat, timeout=30,
                        headers={"Host": "evil.example", "Authorization": f"Bearer {API_KEY}"})
