@@ -128,7 +128,8 @@ def _check_environment(run, where: Callable[[str], str], run_modules: bool) -> N
     try:
         with importable_from(os.getcwd()):
             if rl.tools:
-                load_tools(rl.tools, run_modules=run_modules)
+                # Run here, the python tool's isolation is tried now: a missing piece is named before Ray starts.
+                load_tools(rl.tools, run_modules=run_modules, sandbox=rl.sandbox if run_modules else None)
             if rl.environment not in (None, "tools"):
                 load_environment(rl.environment, run_module=run_modules)
     except ToolError as exc:

@@ -49,3 +49,18 @@ def test_mistakes_are_refused_with_the_fix(bad, message):
 def test_dynamic_sampling_is_a_grpo_key():
     rl = load_config({**GRPO, "dynamic_filtering": True, "max_num_gen_batches": 3}).rl
     assert rl.max_num_gen_batches == 3
+
+
+def test_the_python_tool_isolation_is_tried_when_the_config_is_read(monkeypatch):
+    """A run on this machine tries the python tool's sandbox before Ray starts: a missing piece (here
+    the root the sandbox is built as) is the config's error, naming the piece and the opt-in; with
+    sandbox: unisolated the config loads (warned), and a config only checked elsewhere is not tried."""
+    from stages.rl import sandbox
+
+    monkeypatch.setattr(sandbox.os, "geteuid", lambda: 1000)
+    with pytest.raises(ConfigError, match=r"tools in the config dict: Tool 'python': .*runs as uid 1000.*unisolated"):
+        load_config({**GRPO, "tools": ["python"], "max_turns": 2, "max_turn_tokens": 16})
+    assert load_config({**GRPO, "tools": ["python"], "max_turns": 2, "max_turn_tokens": 16,
+                        "sandbox": "unisolated"}).rl.sandbox == "unisolated"
+    assert load_config({**GRPO, "tools": ["python"], "max_turns": 2, "max_turn_tokens": 16},
+                       purpose="submit").rl.tools == ["python"]
