@@ -4,8 +4,12 @@ is a 4xx with a JSON error, never a 500, and the server keeps answering."""
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import json
 import random
+import threading
+import time
 
 import pytest
 
@@ -154,11 +158,79 @@ def test_a_malformed_request_gets_a_400_that_names_the_mistake(client, body, wor
     refused(client.post("/api/chat", content=body, headers={"content-type": "application/json"}), 400, word)
 
 
-def test_too_many_replies_at_once_is_a_429(chat):
-    from cluster.webchat.server import Limits
+class HeldChat:
+    """The real ChatModel, except that each reply waits after its first piece until ``gate`` opens:
+    a reply the test holds open for as long as it needs."""
 
-    refused(client_of(chat, limits=Limits(max_ongoing=0)).post("/api/chat", json={"messages": HELLO}), 429,
-            "serve_max_ongoing_requests")
+    def __init__(self, chat):
+        self._chat = chat
+        self.gate = threading.Event()
+
+    def __getattr__(self, name):
+        return getattr(self._chat, name)
+
+    async def stream_request(self, prepared):
+        held = False
+        async for delta in self._chat.stream_request(prepared):
+            yield delta
+            while not held and not self.gate.is_set():
+                await asyncio.sleep(0.02)
+            held = True
+
+
+@contextlib.contextmanager
+def served(app):
+    """``app`` on a real uvicorn server on a free loopback port (a thread of its own): replies
+    stream over HTTP as a browser gets them. Its URL."""
+    import uvicorn
+
+    from cluster.local_head import free_port
+
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=free_port(), log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    deadline = time.time() + 30
+    while not server.started:
+        assert thread.is_alive() and time.time() < deadline, "the server did not start"
+        time.sleep(0.05)
+    try:
+        yield f"http://127.0.0.1:{server.config.port}"
+    finally:
+        server.should_exit = True
+        thread.join(timeout=30)
+
+
+def test_too_many_replies_at_once_is_a_429_until_one_ends(chat):
+    """max_ongoing=1: while one reply streams, a second request is a 429; once the first has ended,
+    the next one is answered."""
+    import httpx
+
+    from cluster.webchat.server import Limits, create_app
+
+    held = HeldChat(chat)
+    app = create_app(held, limits=Limits(max_request_bytes=BODY_LIMIT, max_ongoing=1, timeout_s=60))
+    with served(app) as url, httpx.Client(base_url=url, timeout=60) as http:
+        def generating():
+            return http.get("/api/info").json()["generating"]
+
+        with http.stream("POST", "/api/chat", json={"messages": HELLO, "temperature": 0}) as first:
+            assert first.status_code == 200
+            lines = first.iter_lines()
+            assert next(line for line in lines if line.startswith("data: ")).startswith('data: {"text"')
+            assert generating() == 1  # the first reply is streaming, held after its first piece
+            refused(http.post("/api/chat", json={"messages": HELLO}), 429, "serve_max_ongoing_requests")
+            refused(http.post("/api/chat", json={"messages": HELLO}), 429)  # still, while it streams
+            held.gate.set()
+            rest = [json.loads(line[6:]) for line in lines if line.startswith("data: ")]
+        assert rest[-1]["done"]  # the held reply was not cut off by the refusals
+        deadline = time.time() + 30
+        while generating() and time.time() < deadline:  # counted down once the engine lets go
+            time.sleep(0.05)
+        assert generating() == 0
+        after = http.post("/api/chat", json={"messages": HELLO, "temperature": 0})
+        got = events(after)
+        assert got[-1]["done"]
+        assert "".join(e["text"] for e in got if "text" in e) == chat.chat(HELLO, temperature=0)[0].response_text
 
 
 def test_user_text_that_spells_markers_is_encoded_as_text(client, chat):
