@@ -1,6 +1,9 @@
 """``export_format: gguf`` and ``export_quantization_bit``: the files load back in independent readers
 (transformers' GGUF loader, llama.cpp through llama-cpp-python, transformers + bitsandbytes) and
-generate what the merged model generates; the Modelfile's template renders as the training template."""
+generate what the merged model generates; each export type writes its tensors in that type (read
+back with the gguf package's reader); the Modelfile's template renders as the training template,
+in a Python interpreter of the Go subset it uses and in Go's own text/template (``go``: Debian's
+golang-go, which the test command installs; ollama_template.go)."""
 
 from __future__ import annotations
 
@@ -8,6 +11,8 @@ import importlib.util
 import json
 import os
 import re
+import shutil
+import subprocess
 
 import numpy as np
 import pytest
@@ -74,6 +79,43 @@ def test_tiny_gguf_holds_the_merged_models_logits_in_llama_cpp_and_transformers(
         back = AutoModelForCausalLM.from_pretrained(out, gguf_file=os.path.basename(gguf_path(out)), dtype=torch.float32)
         with torch.no_grad():
             assert np.abs(back(torch.tensor([ids])).logits[0].numpy() - expected).max() < 1e-5
+
+
+def test_bf16_export_writes_bf16_tensors_that_llama_cpp_runs(tmp_path):
+    """export_gguf_type: bf16 writes every 2-D weight as BF16 (vectors stay F32), each the f32
+    export's weight rounded to bfloat16 (read back with the gguf package's GGUFReader), with
+    general.file_type MOSTLY_BF16; llama.cpp runs the file."""
+    import gguf
+    from transformers import AutoTokenizer
+
+    model = dict(model_name_or_path="tiny:qwen2,num_heads=2", template="qwen", export_format="gguf")
+    out = export(tmp_path, "bf16", export_gguf_type="bf16", **model)
+    assert gguf_path(out).endswith("-bf16.gguf")
+    ours = gguf.GGUFReader(gguf_path(out))
+    exact = {t.name: t for t in gguf.GGUFReader(gguf_path(export(tmp_path, "f32", export_gguf_type="f32", **model))).tensors}
+    field = ours.fields["general.file_type"]
+    assert gguf.LlamaFileType(field.parts[field.data[0]][0]) == gguf.LlamaFileType.MOSTLY_BF16
+    assert sorted(t.name for t in ours.tensors) == sorted(exact)
+    matrices = 0
+    for tensor in ours.tensors:
+        f32 = exact[tensor.name]
+        assert f32.tensor_type == gguf.GGMLQuantizationType.F32
+        expected = np.asarray(f32.data)
+        if expected.ndim >= 2:  # a matrix: BF16, rounded as torch rounds
+            assert tensor.tensor_type == gguf.GGMLQuantizationType.BF16, (tensor.name, tensor.tensor_type.name)
+            expected = torch.from_numpy(expected.copy()).to(torch.bfloat16).float().numpy()
+            matrices += 1
+        else:  # norms and biases stay float32, as in llama.cpp's own converter
+            assert tensor.tensor_type == gguf.GGMLQuantizationType.F32, (tensor.name, tensor.tensor_type.name)
+        values = gguf.quants.dequantize(tensor.data, tensor.tensor_type)
+        assert values.shape == expected.shape and np.array_equal(values, expected), tensor.name
+    assert matrices >= 7  # the embeddings and every layer's attention and MLP weights
+    tokenizer = AutoTokenizer.from_pretrained(out)
+    ids = tokenizer("Hello there, what is 12 + 7? The answer, in words:").input_ids
+    cpp = llama_cpp().Llama(gguf_path(out), n_ctx=128, logits_all=True, verbose=False)
+    cpp.eval(ids)
+    # llama.cpp multiplies bf16 weights by bf16-rounded activations: measured 3e-3 from the f32 model
+    assert np.abs(np.array(cpp.scores[: len(ids)]) - merged_logits(out, ids)).max() < 1e-2
 
 
 @pytest.fixture(scope="module")
@@ -207,6 +249,60 @@ def test_the_modelfile_template_renders_a_conversation_as_the_training_template(
         assert render_go(go, system or template.default_system, ollama) == expected, name
     with pytest.raises(ValueError, match="folds the system prompt"):
         to_ollama(get_template("gemma"), tokenizer)
+
+
+GO_RENDERER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "ollama_template.go")
+
+
+@pytest.fixture(scope="module")
+def go_render(tmp_path_factory):
+    """render(template, cases) -> each case's prompt as Go's text/template renders it (Ollama's own
+    template engine), from ollama_template.go built once."""
+    go = shutil.which("go") or ("/usr/lib/go/bin/go" if os.path.exists("/usr/lib/go/bin/go") else None)
+    if go is None:
+        skip_or_fail_in_ci("Go is not installed, so Go's text/template cannot check the Modelfile's template "
+                           "(Debian: apt-get install golang-go; scripts/install_system_packages.sh does it and the "
+                           "test command runs that)")
+    folder = tmp_path_factory.mktemp("go")
+    binary = str(folder / "ollama_template")
+    env = {**os.environ, "CGO_ENABLED": "0", "GOTOOLCHAIN": "local"}  # the standard library only: no C, no download
+    built = subprocess.run([go, "build", "-o", binary, GO_RENDERER], env=env, capture_output=True, text=True, timeout=300)
+    assert built.returncode == 0, built.stderr
+
+    def render(template: str, cases: list[dict]) -> list[str]:
+        done = subprocess.run([binary], input=json.dumps({"template": template, "cases": cases}), text=True,
+                              capture_output=True, timeout=60)
+        assert done.returncode == 0, f"Go's text/template refused the template: {done.stderr}\n{template}"
+        return json.loads(done.stdout)
+
+    return render
+
+
+@pytest.mark.parametrize("name", ["qwen", "llama3", "chatml", "smollm2", "alpaca", "vicuna"])
+def test_go_text_template_renders_the_modelfiles_template_as_the_training_template(name, go_render):
+    """The TEMPLATE of the Modelfile the export writes, run by Go's text/template with Ollama's
+    values (a system prompt and the messages): the training template's text, token for token."""
+    from registries.templates.ollama import modelfile
+    from stages.loading import load_tokenizer_and_template
+    from types import SimpleNamespace
+
+    from registries.datasets.data_args import DataArguments
+
+    tokenizer, template = load_tokenizer_and_template(SimpleNamespace(model_name_or_path="tiny:qwen2"),
+                                                      DataArguments(template=name))
+    text = modelfile("m.gguf", template, tokenizer, ["<|im_end|>"], {"temperature": 0.7})
+    go_template = re.fullmatch(r'(?s).*\nTEMPLATE """(.*?)"""\n.*', text).group(1)
+    conversations = [
+        [{"role": "user", "content": "What is 2+2? {{ not an action }}"}, {"role": "assistant", "content": "4"},
+         {"role": "user", "content": "And 3+3?"}],
+        [{"role": "user", "content": "hi"}],
+    ]
+    cases, expected = [], []
+    for conversation in conversations:
+        for system in ("", "Answer briefly."):
+            cases.append({"system": system or template.default_system or "", "messages": conversation})
+            expected.append(template.render(tokenizer, conversation, system=system or None))
+    assert go_render(go_template, cases) == expected, name
 
 
 def test_the_export_writes_a_modelfile_with_the_stop_words(tmp_path):
