@@ -32,6 +32,7 @@ from stages.run_args import (
     GeneratingArguments,
     ModelArguments,
     TrainingOptions,
+    trainer_field_names,
     trainer_fields,
 )
 from stages.job import JobSpec
@@ -144,9 +145,13 @@ def load_config(path_or_dict: str | os.PathLike | dict | None = None, overrides:
         origin[key] = f"command-line override {text!r}"
     raw = dict(values)
     notes = apply_lf_compat(values, origin)
-    grouped = _route(values, origin)
-    given = {key: value for group in grouped.values() for key, value in group.items()}  # typed
+    grouped = _route(values, origin)  # an unknown key fails here, before anything imports transformers
+    _coerce(grouped, origin, [group for group in grouped if group != "training"])
     built = {group: _build(group, grouped[group], origin, source) for group in ("model", "data", "finetuning")}
+    if purpose in ("train", "check"):  # a dataset typo too: the trainer's option types import transformers (seconds)
+        check_dataset_names(built["data"])
+    _coerce(grouped, origin, ["training"])
+    given = {key: value for group in grouped.values() for key, value in group.items()}  # typed
     rl_stage = built["finetuning"].spec.rl if purpose != "infer" else None
     if rl_stage is not None:  # the stage's own defaults for the keys the config leaves out
         _defaults(grouped["generating"], dict(rl_stage.sampling_defaults), given)
@@ -282,7 +287,7 @@ def key_owners() -> dict[str, str]:
     """Option name -> group name. Two groups claiming one name is a bug in RayFactory itself."""
     owners: dict[str, str] = {}
     claims = [(group, f.name) for group, cls in GROUPS.items() for f in dataclasses.fields(cls)]
-    claims += [("training", name) for name in trainer_fields()]
+    claims += [("training", name) for name in trainer_field_names()]
     for group, name in claims:
         if name in owners:
             raise RuntimeError(f"option {name!r} is claimed by both {owners[name]} and {group} arguments")
@@ -302,12 +307,32 @@ def _route(values: dict[str, Any], origin: dict[str, str]) -> dict[str, dict[str
                 f"unknown key {key!r} in {origin[key]}{hint} RayFactory reads LLaMA-Factory option names "
                 "and transformers' TrainingArguments names; fix the spelling or remove the key."
             )
-        if group != "data":  # DataArguments checks its own values, with messages of its own
-            value = coerce_key(key, value, key_annotation(group, key), origin[key])
-        elif bool in typing.get_args(key_annotation(group, key)) + (key_annotation(group, key),):
-            value = bool_word(value)  # packing: no
         grouped[group][key] = value
     return grouped
+
+
+def _coerce(grouped: dict[str, dict[str, Any]], origin: dict[str, str], groups: list[str]) -> None:
+    """The values of ``groups`` as their fields' types, in place."""
+    for group in groups:
+        for key, value in grouped[group].items():
+            if group != "data":  # DataArguments checks its own values, with messages of its own
+                value = coerce_key(key, value, key_annotation(group, key), origin[key])
+            elif bool in typing.get_args(key_annotation(group, key)) + (key_annotation(group, key),):
+                value = bool_word(value)  # packing: no
+            grouped[group][key] = value
+
+
+def check_dataset_names(data: DataArguments) -> None:
+    """Each dataset and eval_dataset name is in dataset_info.json, when there is one (the registries'
+    own error names the file and the closest names). A tokenized_path may need none; the driver's
+    data checks (fabric/data/prepare.py check_data) do the rest."""
+    from registries.datasets.info import get_dataset_attrs
+
+    if data.tokenized_path or not os.path.isfile(os.path.join(data.dataset_dir, "dataset_info.json")):
+        return  # a missing file is the driver's to name, with the rest of the data checks
+    for names in (data.dataset, data.eval_dataset):
+        if names:
+            get_dataset_attrs(names, data.dataset_dir)
 
 
 def key_annotation(group: str, key: str) -> Any:

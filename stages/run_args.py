@@ -259,6 +259,35 @@ def trainer_fields() -> dict[str, TrainerField]:
     return result
 
 
+@lru_cache(maxsize=1)
+def trainer_field_names() -> frozenset[str]:
+    """The names of ``trainer_fields()``, without importing transformers (and torch: seconds) when
+    this install has listed them before: a key typo is then reported in well under a second. Kept
+    per transformers version in RayFactory's cache; written the first time, whole or not at all."""
+    import json
+    import os
+    from importlib import metadata
+
+    from registries.models.tiny import cache_root
+
+    path = cache_root() / "trainer-fields" / f"transformers-{metadata.version('transformers')}.json"
+    try:
+        names = json.loads(path.read_text(encoding="utf-8"))
+        if isinstance(names, list) and names and all(isinstance(n, str) for n in names):
+            return frozenset(names)
+    except (OSError, ValueError):
+        pass
+    names = sorted(trainer_fields())
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        partial = path.with_suffix(f".{os.getpid()}.partial")
+        partial.write_text(json.dumps(names), encoding="utf-8")
+        os.replace(partial, path)
+    except OSError:  # a read-only home: the next run lists them again
+        pass
+    return frozenset(names)
+
+
 @dataclass
 class TrainingOptions:
     """Trainer options the user set (already checked), with transformers' defaults for the rest.

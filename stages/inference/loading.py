@@ -17,8 +17,6 @@ from registries.errors import UserError
 from registries.templates.autodetect import AUTO
 
 from stages.run_args import FinetuningArguments, GeneratingArguments, ModelArguments
-from ..loading import load_tokenizer_and_template as training_tokenizer_and_template
-from ..loading import resolve_model_path
 from stages.inference.inference_args import InferenceArguments
 
 SAVED_CONFIG = "rayfactory_config.yaml"  # written by every training run (cluster/config.py)
@@ -49,6 +47,8 @@ class InferenceSpec:
     @property
     def output_folder(self) -> str:
         """The folder that was trained last: the last adapter, or the model itself."""
+        from ..loading import resolve_model_path  # torch: imported where a model is loaded, not with the config
+
         return self.adapters[-1] if self.adapters else resolve_model_path(self.model.model_name_or_path)
 
     def model_name(self) -> str:
@@ -78,6 +78,8 @@ def load_tokenizer_and_template(spec: InferenceSpec):
     if name in (None, AUTO):
         name = saved_template_name(folder) or name
     source = replace(spec.model, model_name_or_path=folder) if has_tokenizer else spec.model
+    from ..loading import load_tokenizer_and_template as training_tokenizer_and_template
+
     return training_tokenizer_and_template(source, replace(spec.data, template=name), for_requests=True)
 
 
@@ -89,7 +91,7 @@ def load_hf_model(spec: InferenceSpec, tokenizer):
     adapter on the same base, selected by its name."""
     import torch
 
-    from ..loading import auto_model_class, model_config, model_dtype
+    from ..loading import auto_model_class, model_config, model_dtype, resolve_model_path
 
     dtype = spec.model.infer_dtype if spec.model.infer_dtype != "auto" else None
     dtype = getattr(torch, dtype) if dtype else model_dtype(spec.model)

@@ -39,9 +39,9 @@ def test_the_command_exits_after_other_threads_and_atexit_handlers_finish():
     script = (
         "import atexit, sys, threading, time\n"
         "sys.argv = ['rayfactory', 'version']\n"
+        "from cluster.cli import console_main\n"  # imported first: on a loaded machine it can take 0.5 s
         "atexit.register(lambda: print('atexit handler ran'))\n"
         "threading.Thread(target=lambda: (time.sleep(0.5), print('thread finished'))).start()\n"
-        "from cluster.cli import console_main\n"
         "console_main()\n"
     )
     done = subprocess.run([sys.executable, "-c", script], cwd=REPO, env={**os.environ, "PYTHONPATH": REPO},
@@ -140,3 +140,27 @@ def test_every_user_error_class_shares_one_base():
 
     for cls in (ConfigError, DataConfigError, DatasetRowError, AdapterError, TrainingOptionsError, ArgumentError):
         assert issubclass(cls, UserError), cls
+
+
+def test_a_key_or_dataset_typo_is_reported_before_torch_transformers_or_ray_are_imported(tmp_path):
+    """Issue 62: a config mistake took 8.5-13 s to report, most of it importing torch and transformers
+    for the trainer's option types. The trainer's key names are kept per transformers version in
+    RayFactory's cache (listed once, cold), so a typo is named with none of them imported; the
+    figures are in benchmarks/README.md (benchmarks/config_errors.py)."""
+    probe = ("import sys, cluster.cli as c\n"
+             "code = c.main(sys.argv[1:])\n"
+             "print(code, sorted(m for m in ('torch', 'transformers', 'ray') if m in sys.modules))\n")
+    env = {**os.environ, "PYTHONPATH": REPO, "RAY_ADDRESS": "", "RAYFACTORY_CACHE": str(tmp_path / "cache")}
+    config = os.path.join(REPO, "configs", "sft_full.yaml")
+
+    def run(*overrides):
+        done = subprocess.run([sys.executable, "-c", probe, "train", config, *overrides], cwd=REPO, env=env,
+                              capture_output=True, text=True, timeout=120)
+        return done.stdout.strip().splitlines()[-1], done.stderr
+
+    cold, _ = run("learning_ratee=1")  # the first run on this install lists the trainer's fields
+    assert cold.startswith("2 ") and "transformers" in cold
+    for override, word in (("learning_ratee=1", "did you mean 'learning_rate'"), ("dataset=arith_trian", "arith_train")):
+        printed, stderr = run(override)
+        assert printed == "2 []", (override, printed)
+        assert word in stderr, stderr
