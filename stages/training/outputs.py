@@ -39,32 +39,51 @@ def save_outputs(trainer, tokenizer, template, train_result, finetuning_args) ->
     return {**metrics, **eval_metrics}
 
 
+MARKED_POINTS = 30  # a series this short is drawn with a marker at each point: one eval is a dot, not nothing
+SMOOTHED_POINTS = 3  # and from this many points on, with its smoothed curve over the raw one
+
+
 def plot_loss(output_dir: str, keys=("loss", "eval_loss")) -> list[str]:
+    """``training_<key>.png`` for each logged key: the raw values (pale, marked when few) and their
+    smoothed curve, titled by the key and the run's folder name (the full path is the file's place)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     records = read_log(output_dir)
+    run_name = os.path.basename(os.path.normpath(output_dir))
     written = []
     for key in keys:
         points = [(r["current_steps"], r[key]) for r in records if key in r]
         if not points:
             continue
-        steps, values = zip(*points)
-        plt.figure()
-        plt.plot(steps, values, alpha=0.4, label="original")
-        if len(values) > 4:
-            plt.plot(steps, _smooth(values), label="smoothed")
-        plt.title(f"training {key} of {output_dir}")
-        plt.xlabel("step")
-        plt.ylabel(key)
-        plt.legend()
+        figure = loss_figure(*zip(*points), key, run_name)
         path = os.path.join(output_dir, f"training_{key.replace('/', '_')}.png")
-        plt.savefig(path, format="png", dpi=100)
-        plt.close()
+        figure.savefig(path, format="png", dpi=100)
+        plt.close(figure)
         written.append(path)
     return written
+
+
+def loss_figure(steps, values, key: str, run_name: str):
+    """One key's figure (matplotlib, Agg): see plot_loss."""
+    import matplotlib.pyplot as plt
+
+    figure, axes = plt.subplots(figsize=(6.4, 4.0))
+    marker = "o" if len(values) <= MARKED_POINTS else None
+    smoothed = len(values) >= SMOOTHED_POINTS
+    axes.plot(steps, values, color="#1f77b4", alpha=0.35 if smoothed else 1.0, linewidth=1.5, marker=marker,
+              markersize=4, label=f"{key} (raw)" if smoothed else key)
+    if smoothed:
+        axes.plot(steps, _smooth(values), color="#1f77b4", linewidth=2.2, label=f"{key} (smoothed)")
+    axes.set_title(f"{key} · {run_name}")
+    axes.set_xlabel("step")
+    axes.set_ylabel(key)
+    axes.grid(alpha=0.3)
+    axes.legend()
+    figure.tight_layout()
+    return figure
 
 
 def _smooth(values, weight: float = 0.8) -> list[float]:
