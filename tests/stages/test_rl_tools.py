@@ -24,7 +24,7 @@ from stages.rl.environments import (
 )
 from stages.rl import sandbox
 from stages.rl import tools as tools_module
-from stages.rl.sandbox import SandboxLimits, SandboxUnavailable, check_isolation
+from stages.rl.sandbox import SandboxLimits
 from stages.rl.sandbox_cgroup import CgroupUnavailable
 from stages.rl.tools import (
     TOOLS,
@@ -39,7 +39,6 @@ from stages.rl.tools import (
     tool,
     tools_json,
 )
-from tests.ci import skip_or_fail_in_ci
 
 USER_MODULE = "rf_test_user_tools"
 USER_SOURCE = '''
@@ -130,14 +129,6 @@ def test_tool_calls_and_their_errors_are_observations():
     results = run_tool_calls(calls, [calculator])
     assert results == ["42", "Error: there is no tool 'search'; the tools are ['calculator']."]
     assert observation_turn(results) == {"role": "observation", "content": "42\n" + results[1]}
-
-
-@pytest.fixture(scope="module")
-def isolated():
-    try:
-        check_isolation()
-    except SandboxUnavailable as exc:
-        skip_or_fail_in_ci(f"this machine cannot isolate a sandboxed run ({exc.piece})")
 
 
 def test_the_python_tool_runs_in_the_sandbox(isolated):

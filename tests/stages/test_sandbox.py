@@ -24,20 +24,11 @@ from pathlib import Path
 import pytest
 
 from stages.rl import sandbox
-from stages.rl.sandbox import SandboxLimits, SandboxUnavailable, check_isolation, run_python
+from stages.rl.sandbox import SandboxLimits, SandboxUnavailable, run_python
 from stages.rl.sandbox_cgroup import CgroupUnavailable
-from tests.ci import skip_or_fail_in_ci
 
 FAST = SandboxLimits(wall_seconds=3.0, cpu_seconds=1, memory_bytes=256 << 20, max_output_bytes=64 * 1024,
                      file_size_bytes=1 << 20, disk_bytes=8 << 20, max_processes=16)
-
-
-@pytest.fixture(scope="module")
-def isolated():
-    try:
-        check_isolation()
-    except SandboxUnavailable as exc:
-        skip_or_fail_in_ci(f"this machine cannot isolate a sandboxed run ({exc.piece})")
 
 
 def run(code: str, limits: SandboxLimits = FAST):
