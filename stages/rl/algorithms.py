@@ -213,7 +213,9 @@ def policy_loss(
     of tokens whose clip is active, i.e. the gradient is cut (ratio < 1 - eps_low with A < 0:
     ``clip_fraction_low``; ratio > 1 + eps_high with A > 0: ``clip_fraction_high``), ``ratio_mean``,
     and ``kl`` (token mean of the chosen estimator) when ``ref_logp`` is given, ``entropy`` (token
-    mean) when ``entropy`` is. Under cispo only the high side caps (ratio > epsilon_high, A > 0).
+    mean) when ``entropy`` is, and ``rollout_is_loss_change`` (token mean of |weighted - unweighted|
+    clipped surrogate: what the rollout weights changed in the loss, 0 if nothing) when
+    ``rollout_weights`` is. Under cispo only the high side caps (ratio > epsilon_high, A > 0).
     """
     if loss_type not in LOSS_TYPES:
         raise ValueError(f"Unknown loss_type {loss_type!r}; expected one of {LOSS_TYPES}.")
@@ -250,8 +252,10 @@ def policy_loss(
     else:
         clipped = torch.clamp(ratio, 1 - epsilon_low, 1 + epsilon_high)
         per_token = -torch.min(ratio * adv, clipped * adv)
+    uncorrected = per_token
     if rollout_weights is not None:
         per_token = per_token * rollout_weights.detach().to(device=logp.device, dtype=logp.dtype)
+    corrected = per_token  # the surrogate the loss takes (the entropy bonus and KL come next)
     ent_tok = None
     if entropy is not None:
         ent_tok = torch.where(keep, _as_float(entropy).to(logp.device), 0.0)
@@ -290,4 +294,6 @@ def policy_loss(
             metrics["kl"] = (kl_tok * mask).sum().item() / denom.item()
         if ent_tok is not None:
             metrics["entropy"] = (ent_tok * mask).sum().item() / denom.item()
+        if rollout_weights is not None:  # what the weights did to the loss: 0 if they changed nothing
+            metrics["rollout_is_loss_change"] = ((corrected - uncorrected).abs() * mask).sum().item() / denom.item()
     return loss, metrics

@@ -19,7 +19,11 @@ def test_one_step_async_grpo_learns_from_stale_samples_with_correction(ray_sessi
     """configs/grpo_full.yaml with async_rollout one_step: every batch after the first was sampled
     with weights one update old (the sampler's log-probs visibly differ from the policy's, where
     the synchronous loop's agree to 1e-4), the engine generated it while the policy trained, the
-    importance weights were applied, and the format reward still rises."""
+    importance weights were applied, and the format reward still rises.
+
+    "Applied" is read in the update itself: ``rollout_is_loss_change`` is what the weights changed
+    in the policy loss (stages/rl/algorithms.py), so weights computed and logged but never passed
+    to the loss (or never multiplied in) leave it absent or 0, and this test fails."""
     config = example_config("grpo_full.yaml", tmp_path, max_steps=30, logging_steps=1, eval_dataset=None,
                             reward_funcs=["digit_ratio"], reward_weights=None, async_rollout="one_step")
     result = run_exp(config)
@@ -33,7 +37,13 @@ def test_one_step_async_grpo_learns_from_stale_samples_with_correction(ray_sessi
     assert all(r["time/overlap"] <= r["time/generate_engine"] + 1e-3 for r in later)
     assert max(r["rollout_logprob_diff"] for r in later) > 1e-3  # stale: sampled by older weights
     assert all("rollout_is_ratio_mean" in r and "rollout_is_kl" in r for r in later)  # correction on
-    assert any(r["rollout_is_ratio_mean"] != 1.0 for r in later)
+    assert all(r["rollout_is_ratio_mean"] != 1.0 and r["rollout_is_weight_mean"] != 1.0 for r in later)
+    # The weights reached the loss: wherever a step had advantages (a group with a reward spread),
+    # the loss with the weights differs from the loss without them. Steps 1's samples are fresh.
+    assert all("rollout_is_loss_change" in r for r in steps.values())
+    signal = [r for r in later if r["reward_group_std"] > 0]
+    assert len(signal) >= 10, [r["reward_group_std"] for r in later]
+    assert all(r["rollout_is_loss_change"] > 1e-6 for r in signal), [r["rollout_is_loss_change"] for r in signal]
 
 
 def test_killed_bounded_async_run_resumes_with_auto_and_logs_every_step_once(ray_session, tmp_path):
