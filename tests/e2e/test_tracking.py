@@ -28,15 +28,30 @@ def offline(monkeypatch):
     monkeypatch.setenv("WANDB_SILENT", "true")
 
 
-def tensorboard_scalars(output_dir) -> dict[str, dict[int, float]]:
+def tensorboard_scalars(output_dir, config_file: bool = False) -> dict[str, dict[int, float]]:
+    """The scalars of the run's one TensorBoard event file, one value per (tag, step). Exactly one file
+    holds scalars: a second writer (another rank, a writer per step) would leave more, and merging
+    them would hide it. ``config_file``: the Trainer-based stages also leave a second file holding
+    only the resolved config's text (stages/tracking.py), and nothing else."""
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    scalars: dict[str, dict[int, float]] = {}
-    for path in glob.glob(os.path.join(output_dir, "runs", "events.out.tfevents.*")):
+    paths = sorted(glob.glob(os.path.join(output_dir, "runs", "events.out.tfevents.*")))
+    assert len(paths) == 1 + config_file, paths
+    files = []
+    for path in paths:
         events = EventAccumulator(path)
         events.Reload()
-        for tag in events.Tags()["scalars"]:
-            scalars.setdefault(tag, {}).update({e.step: e.value for e in events.Scalars(tag)})
+        files.append(events)
+    with_scalars = [events for events in files if events.Tags()["scalars"]]
+    assert len(with_scalars) == 1, f"{len(with_scalars)} event files hold scalars: {paths}"
+    if config_file:
+        (other,) = [events for events in files if not events.Tags()["scalars"]]
+        assert other.Tags()["tensors"] == ["rayfactory_config/text_summary"], other.Tags()
+    scalars: dict[str, dict[int, float]] = {}
+    for tag in with_scalars[0].Tags()["scalars"]:
+        for event in with_scalars[0].Scalars(tag):  # the Trainer's last record repeats train/epoch, unchanged
+            value = scalars.setdefault(tag, {}).setdefault(event.step, event.value)
+            assert value == event.value, f"{tag} has two values at step {event.step}: {value}, {event.value}"
     return scalars
 
 
@@ -97,7 +112,7 @@ def test_sft_reports_every_logged_step_to_each_tracker_from_rank_0_offline(ray_s
     steps = {r["current_steps"]: r for r in read_log(str(out)) if "loss" in r}
     assert sorted(steps) == [2, 4]
 
-    tb = tensorboard_scalars(str(out))  # the Trainer's TensorBoardCallback: train/<key>
+    tb = tensorboard_scalars(str(out), config_file=True)  # the Trainer's TensorBoardCallback: train/<key>
     assert {s: pytest.approx(r["loss"], rel=1e-6) for s, r in steps.items()} == tb["train/loss"]
     _, history = mlflow_run(str(out))
     assert history["loss"] == {s: pytest.approx(r["loss"], rel=1e-9) for s, r in steps.items()}
