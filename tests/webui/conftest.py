@@ -1,7 +1,7 @@
 """The web UI as a user meets it: `rayfactory webui` in a subprocess, driven by headless Chromium.
 
-The browser is Debian's chromium with its chromedriver (scripts/install_browser.sh, which the
-test command runs). Without them the browser tests skip with that reason, except under CI=true,
+The browser is Debian's chromium with its chromedriver (scripts/install_system_packages.sh, which
+the test command runs). Without them the browser tests skip with that reason, except under CI=true,
 where they fail: the UI is never left untested by CI. Screenshots of each tab go to
 test-artifacts/webui/ (or $RAYFACTORY_TEST_ARTIFACTS/webui).
 """
@@ -88,7 +88,7 @@ def webui(tmp_path_factory):
 def browser():
     if not (CHROMIUM and CHROMEDRIVER):
         reason = ("headless Chromium is not installed (Debian: apt-get install chromium chromium-driver; "
-                  "scripts/install_browser.sh does it and the test command runs that)")
+                  "scripts/install_system_packages.sh does it and the test command runs that)")
         skip_or_fail_in_ci(reason)
     from selenium import webdriver
     from selenium.webdriver.chrome.options import Options
