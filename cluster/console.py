@@ -166,8 +166,10 @@ class Console:
         if "train_runtime" in record:  # the Trainer's closing record: saving and the final eval follow
             self._close_bar()
 
-    def summary(self, result, output_dir: str) -> None:
-        """After a run that succeeded: its headline metrics and where everything went."""
+    def summary(self, result, output_dir: str, resume_from: str | None = None) -> None:
+        """After a run that succeeded: its headline metrics and where everything went. ``resume_from``:
+        the checkpoint in output_dir that ``resume_from_checkpoint: auto`` resumes from; Ray Train's
+        copy of it in Ray storage (``result.checkpoint``) is shown apart, for what it is."""
         self._close_bar()
         metrics = {**(result.metrics or {}), **self._metrics}
         shown = ", ".join(f"{k} {_number(metrics[k])}" for k in ("train_loss", "eval_loss", "reward", "eval_reward")
@@ -180,8 +182,11 @@ class Console:
         plot = os.path.join(output_dir, "training_loss.png")
         if os.path.exists(plot):
             self.say(f"  loss plot   {plot}")
-        if result.checkpoint is not None:
-            self.say(f"  checkpoint  {result.checkpoint.path}")
+        if resume_from:
+            self.say(f"  checkpoint  {resume_from} (resume_from_checkpoint: auto resumes from it)")
+        copy = result.checkpoint.path if result.checkpoint is not None else None
+        if copy and os.path.abspath(copy) != os.path.abspath(resume_from or ""):
+            self.say(f"  ray copy    {copy} (Ray Train's: what a restart after a worker failure loads, max_failures)")
         if self.log_path:
             self.say(f"  log         {self.log_path}")
 

@@ -11,8 +11,9 @@ from typing import Any, Iterable, Optional
 
 from .config import ConfigError, RunConfig, load_config
 from .console import Console
-from .finished_run import finished_run
+from .finished_run import finished_run, resume_point
 from .output_checks import check_output_dirs
+from .replaced_run import clear_replaced_run, replaced_run
 from .training_checks import planned_work
 
 logger = logging.getLogger(__name__)
@@ -53,6 +54,8 @@ def run_exp(
         if not do_predict:
             return RunResult(os.path.abspath(output_dir), {}, None, {"finished": True})
         do_train = False  # the trained output is there; its predictions are still to be made
+    # Another run in output_dir that this one would start over: refused unless overwrite_output_dir.
+    replaced = replaced_run(cfg) if do_train else []
 
     # Mistakes that need no cluster fail before Ray starts: model path, tokenizer, datasets.
     # Model facts are resolved once, here: the driver tokenizes (through Ray Data) with this
@@ -68,6 +71,8 @@ def run_exp(
         check_data(dataclasses.replace(cfg.data, dataset=cfg.data.eval_dataset), spec.stage)
     # Writable, with room for a checkpoint (and a local ray_storage_path too); creates output_dir.
     check_output_dirs(cfg, train=do_train)
+    if replaced:  # overwrite_output_dir: the replaced run's checkpoints go, now that every check has passed
+        clear_replaced_run(cfg, replaced)
     if do_train:  # a prediction-only run leaves the model folder's own saved config alone
         cfg.write_yaml()  # the resolved config, so the run can be repeated exactly
     rl = spec.stage.launch == "rl_controller"
@@ -107,7 +112,7 @@ def run_exp(
     metrics = dict(result.metrics or {})
     if do_predict:
         metrics.update(_predict(cfg, console, trained=True).metrics)
-    console.summary(result, os.path.abspath(output_dir))
+    console.summary(result, os.path.abspath(output_dir), resume_point(output_dir, spec.stage.checkpoint_kind))
     return RunResult(os.path.abspath(output_dir), metrics, checkpoint, data.stats)
 
 

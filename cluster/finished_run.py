@@ -20,7 +20,7 @@ from typing import Optional
 
 import yaml
 
-from stages.training.checkpoints import checkpoint_progress, resolve_resume
+from stages.training.checkpoints import checkpoint_progress, committed_checkpoints, resolve_resume
 
 # The keys that decide how many steps an epoch-counted run has: equal to the saved config's, the
 # checkpoint's recorded total is this config's too.
@@ -34,7 +34,11 @@ def finished_run(cfg) -> Optional[str]:
     output_dir = cfg.training.output_dir
     if not requested or not cfg.training.values.get("do_train", True):  # prediction alone trains nothing anyway
         return None
-    checkpoint = resolve_resume(requested, output_dir, kind=cfg.finetuning.spec.checkpoint_kind)
+    kind = cfg.finetuning.spec.checkpoint_kind
+    if requested == "auto":  # resolve_resume's choice, without its log lines: the run logs them as it resolves
+        checkpoint = resume_point(output_dir, kind)
+    else:
+        checkpoint = resolve_resume(requested, output_dir, kind=kind)
     progress = checkpoint_progress(checkpoint) if checkpoint else None
     if progress is None:
         return None
@@ -50,7 +54,17 @@ def finished_run(cfg) -> Optional[str]:
         return None
     return (f"{output_dir} holds a finished run: {os.path.basename(checkpoint)} is step {step} of {planned}, so "
             f"resume_from_checkpoint: {requested} leaves nothing to train; nothing was trained and the outputs are as "
-            "they were. Raise max_steps or num_train_epochs to train on, or choose another output_dir to start over.")
+            "they were. Raise max_steps or num_train_epochs to train on. To start over, choose another output_dir, or "
+            "replace this run: overwrite_output_dir: true without resume_from_checkpoint (on the command line: "
+            "resume_from_checkpoint=null overwrite_output_dir=true).")
+
+
+def resume_point(output_dir: str, kind: str) -> Optional[str]:
+    """The checkpoint ``resume_from_checkpoint: auto`` resumes from (the newest committed one of the
+    stage's kind in output_dir; Ray Train's copy in Ray storage serves restarts within a run only),
+    or None. Quietly: ``latest_committed`` logs what it skips."""
+    committed = committed_checkpoints(output_dir, kind)
+    return committed[-1][1] if committed else None
 
 
 def _same_plan(cfg, output_dir: str) -> bool:

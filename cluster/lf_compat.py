@@ -11,9 +11,6 @@ from .config_types import ConfigError, coerce_key
 IGNORED_KEYS = {
     "preprocessing_num_workers": "Ray Data sizes the preprocessing parallelism itself (see preprocessing_engine)",
     "preprocessing_batch_size": "Ray Data picks the preprocessing batch size",
-    "overwrite_output_dir": (
-        "transformers 5 removed it; output_dir is written into, and resuming needs resume_from_checkpoint"
-    ),
     "master_addr": "Ray Train sets up the process group",
     "master_port": "Ray Train sets up the process group",
     "ignore_pad_token_for_loss": "padding never counts in the loss",
@@ -64,7 +61,7 @@ def apply_lf_compat(values: dict[str, Any], origin: dict[str, str]) -> list[str]
                 "video or audio yet. Remove it."
             )
 
-    def move(old: str, old_value: Any, new: str, value: Any) -> None:
+    def move(old: str, old_value: Any, new: str, value: Any, meaning: str = "") -> None:
         if new in values:
             raise ConfigError(
                 f"{old!r} in {origin[old]} and {new!r} in {origin[new]} set the same thing "
@@ -72,7 +69,7 @@ def apply_lf_compat(values: dict[str, Any], origin: dict[str, str]) -> list[str]
             )
         values[new] = value
         origin[new] = origin[old]
-        notes.append(f"translated {old}: {old_value!r} to {new}: {value!r}.")
+        notes.append(f"translated {old}: {old_value!r} to {new}: {value!r}{meaning}.")
 
     if values.get("export_quantization_bit"):
         notes.append(f"export_quantization_bit {values['export_quantization_bit']} saves bitsandbytes "
@@ -91,7 +88,9 @@ def apply_lf_compat(values: dict[str, Any], origin: dict[str, str]) -> list[str]
                 f"warmup_ratio is {ratio} in {origin['warmup_ratio']}; it must be in [0, 1) (a fraction of "
                 "the training steps). For a step count use warmup_steps."
             )
-        move("warmup_ratio", ratio, "warmup_steps", float(ratio))
+        move("warmup_ratio", ratio, "warmup_steps", float(ratio),
+             f": transformers 5 reads a warmup_steps below 1 as a fraction of the total steps, so the warmup is "
+             f"{ratio * 100:g}% of the training steps, as warmup_ratio meant" if ratio else "")
     if "group_by_length" in values:  # transformers 5 made it one choice of train_sampling_strategy
         where = origin["group_by_length"]
         if coerce_key("group_by_length", values.pop("group_by_length"), bool, where):

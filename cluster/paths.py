@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import os
 
+from fabric.ray_args import default_storage
+
 
 def resolve_paths(run) -> None:
     """Every local path of a RunConfig made absolute, in place: Ray Train workers and Serve
@@ -12,6 +14,8 @@ def resolve_paths(run) -> None:
     model, tuning, data = run.model, run.finetuning, run.data
     if run.training.values.get("output_dir"):
         run.training.values["output_dir"] = _absolute(run.training.values["output_dir"])
+        if run.ray.ray_storage_path is None:  # Ray Train's checkpoint copies go inside the run's own output_dir
+            run.ray.ray_storage_path = default_storage(run.training.values["output_dir"])
     if run.export.export_dir:
         run.export.export_dir = _absolute(run.export.export_dir)
     if run.inference.lora_modules:
@@ -28,6 +32,17 @@ def resolve_paths(run) -> None:
     for obj, name in adapter_lists:
         if getattr(obj, name):
             setattr(obj, name, [_absolute_if_local(p) for p in getattr(obj, name)])
+
+
+def unpin_run_defaults(resolved: dict) -> dict:
+    """RunConfig.resolved()'s values, with what a saved config must not repeat as it stands: a
+    default ray_storage_path (output_dir/ray_results) goes back to unset, to follow whatever
+    output_dir a repeat is given, and overwrite_output_dir goes, so that repeating a saved run never
+    replaces one unasked (cluster/replaced_run.py)."""
+    resolved.pop("overwrite_output_dir", None)
+    if resolved.get("output_dir") and resolved.get("ray_storage_path") == default_storage(resolved["output_dir"]):
+        resolved["ray_storage_path"] = None
+    return resolved
 
 
 def _absolute(path: str) -> str:

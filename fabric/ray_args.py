@@ -13,7 +13,9 @@ from typing import Any, Literal
 from registries.errors import ArgumentError
 
 PLACEMENT_STRATEGIES = ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD")
-DEFAULT_STORAGE = os.path.join("saves", "ray_results")
+# ray_storage_path's default, a folder inside output_dir (cluster/paths.py sets it where the config is
+# read): every copy of a run's checkpoints lies under its own output_dir.
+DEFAULT_STORAGE_DIR = "ray_results"
 
 
 @dataclass
@@ -23,8 +25,9 @@ class RayArguments:
     ray_num_workers: int = 1
     resources_per_worker: dict[str, float] = field(default_factory=lambda: {"CPU": 1})
     placement_strategy: Literal["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"] = "PACK"
-    # Ray needs an absolute path (or a URI such as s3://...); relative paths resolve against
-    # the directory the run is started from, here on the driver, so workers agree on it.
+    # Where Ray Train copies each checkpoint (a worker group's restarts after a failure restore it);
+    # None: output_dir/ray_results. Ray needs an absolute path (or a URI such as s3://...); relative
+    # paths resolve against the directory the run is started from, here on the driver, so workers agree on it.
     ray_storage_path: str | None = None
     ray_run_name: str | None = None
     ray_init_kwargs: dict[str, Any] = field(default_factory=dict)
@@ -93,8 +96,10 @@ class RayArguments:
         for key in ("rollout_num_engines", "rollout_tensor_parallel_size", "critic_num_workers", "reward_num_workers"):
             if getattr(self, key) < 1:
                 raise ArgumentError(key, f"{key} must be at least 1, got {getattr(self, key)}.")
-        path = self.ray_storage_path or DEFAULT_STORAGE
-        self.ray_storage_path = path if "://" in path else os.path.abspath(os.path.expanduser(path))
+        path = self.ray_storage_path or None  # None: default_storage(output_dir), set where the config is read
+        if path and "://" not in path:
+            path = os.path.abspath(os.path.expanduser(path))
+        self.ray_storage_path = path
 
     def resolved_address(self) -> str | None:
         """The cluster to join, or None to start a local Ray. Read when called: the env may change."""
@@ -120,6 +125,11 @@ class RayArguments:
     @property
     def uses_gpu(self) -> bool:
         return float(self.resources_per_worker.get("GPU", 0) or 0) > 0
+
+
+def default_storage(output_dir: str) -> str:
+    """ray_storage_path when the config leaves it out: a folder inside output_dir."""
+    return os.path.join(output_dir, DEFAULT_STORAGE_DIR)
 
 
 def _check_resources(key: str, resources: dict[str, float]) -> None:

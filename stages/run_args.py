@@ -103,6 +103,9 @@ class FinetuningArguments:
     reward_model_adapters: list[str] | None = None
     reward_model_type: Literal["lora", "full", "api"] = "lora"
     plot_loss: bool = False
+    # LLaMA-Factory's key (transformers 5 dropped it from TrainingArguments): a run that starts from step 0
+    # in an output_dir holding another run replaces it instead of being refused (cluster/replaced_run.py).
+    overwrite_output_dir: bool = False
     # RayFactory's own, pt/sft (the cross-entropy) and dpo/kto (the summed log-probs): the output head
     # in chunks of tokens, each chunk's logits recomputed in the backward instead of kept
     # (stages/training/chunked_loss.py). null: on from a 32768-token vocabulary.

@@ -298,7 +298,7 @@ class _ChatCache:
 
 def add_webui_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     parser.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback only)")
-    parser.add_argument("--port", type=int, default=7860)
+    parser.add_argument("--port", type=int, default=7860, help="port to listen on (default %(default)s)")
     parser.add_argument("--share-dir", default="saves/webui",
                         help="where the UI keeps its configs, run records and its Ray head's address")
     parser.add_argument("--token", default=os.environ.get("RAYFACTORY_WEBUI_TOKEN"),

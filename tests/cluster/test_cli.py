@@ -102,6 +102,37 @@ def test_no_command_prints_usage_and_exits_2():
     assert "train" in done.stderr and "templates" in done.stderr
 
 
+def test_a_command_without_its_config_file_says_one_is_needed_with_an_example(capsys):
+    import pytest
+
+    with pytest.raises(SystemExit) as exited:
+        main(["train"])
+    assert exited.value.code == 2
+    err = capsys.readouterr().err
+    assert err.splitlines()[-1] == (
+        "rayfactory train: error: a config file is needed (a YAML file of LLaMA-Factory's keys, as in configs/), "
+        "e.g. `rayfactory train configs/quickstart.yaml`; key=value overrides may follow it.")
+    assert "key=value" not in err.splitlines()[-1].split("needed")[0]  # not "required: config, key=value"
+    for command in ("chat", "export", "serve", "api", "submit", "webchat"):
+        with pytest.raises(SystemExit):
+            main([command])
+        assert f"error: a config file is needed (a YAML file of LLaMA-Factory's keys, as in configs/), e.g. " \
+               f"`rayfactory {command} configs/quickstart.yaml" in capsys.readouterr().err
+
+
+def test_every_command_and_option_has_a_description():
+    import argparse
+
+    from cluster.cli import build_parser
+
+    (commands,) = [a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction)]
+    summaries = {choice.dest: choice.help for choice in commands._choices_actions}
+    for name, parser in commands.choices.items():
+        assert summaries[name] and parser.description, f"rayfactory {name} has no description"
+        for action in parser._actions:
+            assert action.help, f"rayfactory {name} {'/'.join(action.option_strings) or action.dest} has no help"
+
+
 def test_env_reports_versions_without_starting_ray():
     from importlib import metadata
 

@@ -79,6 +79,7 @@ def test_llamafactory_sft_lora_yaml_loads_unchanged(tmp_path):
     assert (run.finetuning.stage, run.finetuning.finetuning_type) == ("sft", "lora")
     assert (run.finetuning.lora_rank, run.finetuning.lora_alpha, run.finetuning.lora_target) == (8, 16, ["all"])
     assert run.finetuning.plot_loss is True
+    assert run.finetuning.overwrite_output_dir is True  # honoured, not ignored: cluster/replaced_run.py
     assert run.data.dataset == ["identity", "alpaca_en_demo"]
     assert (run.data.template, run.data.cutoff_len, run.data.max_samples) == ("qwen3_nothink", 2048, 1000)
     assert run.ray.ray_num_workers == 4
@@ -103,9 +104,8 @@ def test_llamafactory_sft_lora_yaml_loads_unchanged(tmp_path):
     assert run.notes == [
         "ignored 'preprocessing_num_workers' from cfg.yaml: Ray Data sizes the preprocessing parallelism itself "
         "(see preprocessing_engine).",
-        "ignored 'overwrite_output_dir' from cfg.yaml: transformers 5 removed it; output_dir is written into, "
-        "and resuming needs resume_from_checkpoint.",
-        "translated warmup_ratio: 0.1 to warmup_steps: 0.1.",
+        "translated warmup_ratio: 0.1 to warmup_steps: 0.1: transformers 5 reads a warmup_steps below 1 as a fraction "
+        "of the total steps, so the warmup is 10% of the training steps, as warmup_ratio meant.",
     ]
     assert run.raw["preprocessing_num_workers"] == 16 and run.raw["warmup_ratio"] == 0.1  # as written
     assert run.training.seed == 42 and run.training.max_steps == -1  # unset fields read transformers' defaults
@@ -120,7 +120,7 @@ def test_defaults_follow_llamafactory():
     assert run.generating == GeneratingArguments()
     assert (run.generating.temperature, run.generating.top_p, run.generating.max_new_tokens) == (0.95, 0.7, 1024)
     assert run.ray.resources_per_worker == {"CPU": 1} and run.ray.placement_strategy == "PACK"
-    assert run.ray.ray_storage_path == os.path.abspath("saves/ray_results")
+    assert run.ray.ray_storage_path == os.path.abspath("out/ray_results")  # inside output_dir
     assert run.training.values == {"output_dir": os.path.abspath("out"), "report_to": "none"}
 
 
@@ -425,6 +425,7 @@ def test_ray_address_and_storage_resolution(monkeypatch, tmp_path):
     assert RayArguments(ray_address="10.0.0.1:6379").resolved_address() == "10.0.0.1:6379"
     assert RayArguments(ray_storage_path="runs").ray_storage_path == str(tmp_path / "runs")
     assert RayArguments(ray_storage_path="s3://bucket/runs").ray_storage_path == "s3://bucket/runs"
+    assert RayArguments().ray_storage_path is None  # output_dir/ray_results, set where the config is read
 
 
 def test_unknown_stage_is_refused_with_the_table_s_stages():

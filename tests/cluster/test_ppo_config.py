@@ -111,9 +111,8 @@ def test_llamafactory_ppo_lora_yaml_loads(tmp_path):
     assert run.notes == [
         "ignored 'preprocessing_num_workers' from cfg.yaml: Ray Data sizes the preprocessing parallelism itself "
         "(see preprocessing_engine).",
-        "ignored 'overwrite_output_dir' from cfg.yaml: transformers 5 removed it; output_dir is written into, "
-        "and resuming needs resume_from_checkpoint.",
-        "translated warmup_ratio: 0.1 to warmup_steps: 0.1.",
+        "translated warmup_ratio: 0.1 to warmup_steps: 0.1: transformers 5 reads a warmup_steps below 1 as a fraction "
+        "of the total steps, so the warmup is 10% of the training steps, as warmup_ratio meant.",
     ]
     assert [(r.name, r.colocate_with) for r in role_specs(run.ray, run)] == [
         ("policy", None), ("rollout", None), ("critic", None), ("reward", None)]

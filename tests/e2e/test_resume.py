@@ -192,8 +192,9 @@ def test_resume_from_missing_checkpoint_is_a_config_error(sft_config, tmp_path):
 
 def test_new_run_name_starts_fresh_and_a_reused_ray_run_name_restores(ray_session, sft_config, tmp_path):
     """Ray Train V2 restores any run whose name already has a checkpoint snapshot in the storage
-    path. Our default name is new for every run, so a plain rerun into the same output_dir and
-    storage starts at step 0; naming the old run in ray_run_name is the opt-in to continue it.
+    path. Our default name is new for every run, so a rerun into the same output_dir and storage
+    (overwrite_output_dir: true) starts at step 0; naming the old run in ray_run_name is the opt-in
+    to continue it.
     (A run that trains in the driver copies nothing to Ray storage: these two keep their worker.)"""
     begins = str(tmp_path / "begins.txt")
     first = sft_config(max_steps=4, save_steps=2, train_in_driver=False)
@@ -202,7 +203,9 @@ def test_new_run_name_starts_fresh_and_a_reused_ray_run_name_restores(ray_sessio
     (old_name,) = os.listdir(storage)
     assert os.path.exists(os.path.join(storage, old_name, "checkpoint_manager_snapshot.json"))
 
-    run_exp(sft_config(max_steps=4, save_steps=2, train_in_driver=False), callbacks=[RecordBegin(begins)])
+    # overwrite_output_dir replaces the first run in output_dir; a ray_storage_path the config names stays
+    run_exp(sft_config(max_steps=4, save_steps=2, train_in_driver=False, overwrite_output_dir=True),
+            callbacks=[RecordBegin(begins)])
     assert len(os.listdir(storage)) == 2  # a second run folder, not the first one reopened
 
     run_exp(sft_config(max_steps=6, save_steps=2, ray_run_name=old_name), callbacks=[RecordBegin(begins)])
