@@ -203,7 +203,7 @@ def _train(args: argparse.Namespace) -> int:
 
     console = None
     try:
-        config = load_config(args.config, args.overrides)  # parse first: a typo fails before Ray starts
+        config = load_config(args.config, args.overrides, check_datasets=True)  # a typo fails before Ray starts
         from .console import Console
         from .driver import run_exp
         from .finished_run import finished_run
