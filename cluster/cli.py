@@ -282,15 +282,32 @@ def _accelerator() -> str:
     return "CPU only (no CUDA device visible to torch)"
 
 
+def _why_this_cluster() -> str:
+    """Why ``ray.init(address="auto")`` picks the cluster it does, in the user's words."""
+    if os.environ.get("RAY_ADDRESS"):
+        return f"RAY_ADDRESS={os.environ['RAY_ADDRESS']}"
+    recorded = "/tmp/ray/ray_current_cluster"  # where `ray start` and ray.init record the newest head
+    try:
+        with open(recorded, encoding="utf-8") as f:
+            address = f.read().strip()
+    except OSError:
+        address = ""
+    whose = "perhaps another user's, a web UI's or a test's; set RAY_ADDRESS to choose one"
+    if address:
+        return f"the newest Ray head started on this machine, recorded in {recorded}: {whose}"
+    return f"a Ray that Ray found running on this machine (no RAY_ADDRESS is set): {whose}"
+
+
 def _ray_view(start_local: bool) -> str:
     """Resources of the reachable cluster; a local Ray is started only when asked (--local)."""
     import logging
 
     import ray
 
+    why = _why_this_cluster()
     try:
         ray.init(address="auto", logging_level=logging.WARNING, log_to_driver=False)
-        where = "connected"
+        where = f"connected to {ray.get_runtime_context().gcs_address} ({why})"
     except ConnectionError:
         if not start_local:
             return "no running cluster found (set RAY_ADDRESS, or pass --local to start a temporary one)"

@@ -157,7 +157,10 @@ def test_rayfactory_env_reports_the_head(token_head, home):
     result = _run([os.path.join(VENV_BIN, "rayfactory"), "env"], env, timeout=180)
     assert result.returncode == 0, result.stderr[-3000:]
     cluster_line = next(line for line in result.stdout.splitlines() if line.startswith("cluster"))
-    assert "connected, 1 node(s)" in cluster_line and "CPU=4" in cluster_line
+    # It names the cluster it attached to, and why that one (issue 62: it attached to an unrelated Ray silently).
+    port = token_head.gcs_address.rsplit(":", 1)[1]  # Ray names the node by its address, not 127.0.0.1
+    assert re.search(rf"connected to [\d.]+:{port} \(RAY_ADDRESS={token_head.gcs_address}\), 1 node\(s\)", cluster_line)
+    assert "CPU=4" in cluster_line
 
 
 def test_head_without_auth_runs_the_uploaded_code(home):
