@@ -66,8 +66,12 @@ class Console:
         if data.eval_dataset:
             datasets += f"; eval: {', '.join(data.eval_dataset)}"
         address = ray_args.resolved_address()
+        written = cfg.raw.get("template") if isinstance(cfg.raw, dict) else None
+        template = data.template or "auto"
+        if written in (None, "auto") and template != "auto":  # the driver resolved auto from the tokenizer
+            template += " (template: auto)"
         self.say(f"rayfactory: stage {tuning.stage}, finetuning_type {method}, model {model.model_name_or_path}, "
-                 f"template {data.template or 'auto'}")
+                 f"template {template}")
         self.say(f"  data      {datasets} (cutoff_len {data.cutoff_len})")
         each = ", ".join(f"{name} {amount:g}" for name, amount in ray_args.resources_per_worker.items())
         self._in_driver = in_driver

@@ -53,12 +53,17 @@ class Head:
     @classmethod
     def load(cls, path: str) -> "Head | None":
         """The head recorded at ``path`` if its job server still answers, else None."""
+        head = cls.read(path)
+        return head if head is not None and dashboard_up(head.dashboard_url) else None
+
+    @classmethod
+    def read(cls, path: str) -> "Head | None":
+        """The head recorded at ``path``, answering or not (to stop what is left of it); None without a record."""
         try:
             with open(path, encoding="utf-8") as f:
-                head = cls(**json.load(f))
+                return cls(**json.load(f))
         except (OSError, ValueError, TypeError):
             return None
-        return head if dashboard_up(head.dashboard_url) else None
 
 
 def free_port() -> int:
@@ -139,23 +144,51 @@ def head_log(head: Head) -> str:
 
 
 def stop_head(head: Head) -> None:
-    """Kill every process of this head's session, and nothing else.
+    """Kill every process of this head's session, and the processes they started in sessions of
+    their own (a Ray job's driver: Ray starts it with start_new_session), and nothing else.
 
     SIGKILL, not a graceful SIGTERM: after a job ran, Ray drains for ~35 s before it exits on
     this machine, and such a head holds no data worth a clean shutdown (runs write to output_dir).
     """
     import psutil
 
-    for proc in psutil.process_iter():
-        try:
-            if os.getsid(proc.pid) == head.session_id:
-                proc.kill()
-        except (ProcessLookupError, psutil.Error, PermissionError):
-            pass
     deadline = time.time() + 30
-    while time.time() < deadline and any(_in_session(p, head.session_id) for p in psutil.process_iter()):
+    doomed: dict[int, psutil.Process] = {}
+    while True:  # again while any is left: a process may start one more before it is killed
+        doomed.update((p.pid, p) for p in session_processes(head))
+        left = [p for p in doomed.values() if _alive(p)]
+        if not left or time.time() > deadline:
+            break
+        for proc in left:
+            try:
+                proc.kill()
+            except (ProcessLookupError, psutil.Error, PermissionError):
+                pass
         time.sleep(0.2)
     shutil.rmtree(head.temp_dir, ignore_errors=True)
+
+
+def session_processes(head: Head) -> list:
+    """The head's processes (its session) and their descendants, as psutil.Process objects (which
+    remember each one's start time, so a reused pid is never taken for one of them)."""
+    import psutil
+
+    found: dict[int, psutil.Process] = {}
+    for proc in psutil.process_iter():
+        if _in_session(proc, head.session_id):
+            found[proc.pid] = proc
+            try:
+                found.update((child.pid, child) for child in proc.children(recursive=True))
+            except psutil.Error:
+                pass
+    return list(found.values())
+
+
+def _alive(proc) -> bool:
+    try:
+        return proc.is_running() and proc.status() != "zombie"
+    except Exception:  # noqa: BLE001 (gone, or not ours to look at)
+        return False
 
 
 def _in_session(proc, session_id: int) -> bool:

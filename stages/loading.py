@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import dataclasses
+import json
 import logging
+import os
 
 import torch
 
@@ -11,7 +13,7 @@ from registries.errors import UserError
 from registries.models import DEMO_PREFIX, demo_model_path, load_tokenizer, tiny_model_path
 from registries.models.families import family_for_model_type, is_registered_model_type
 from registries.multimodal import load_image_processor
-from registries.templates.autodetect import resolve_template
+from registries.templates.autodetect import AUTO, resolve_template
 from registries.templates.formatters import FunctionFormatter, ToolFormatter
 
 from stages.training.adapters import apply_finetuning, check_finetuning_fits, count_parameters
@@ -64,12 +66,29 @@ def load_tokenizer_and_template(model_args, data_args, for_requests: bool = Fals
     ``for_requests``: the template encodes untrusted requests (inference), not training data."""
     path = resolve_model_path(model_args.model_name_or_path)
     tokenizer = load_tokenizer(path)
-    template = resolve_template(data_args.template, tokenizer)
+    template = resolve_template(data_args.template, tokenizer, auto_model_type(model_args, data_args.template, tokenizer))
     template = customize_template(template, data_args, for_requests)
     if template.mm_plugin is not None:  # a vision template: image rows need the model's image processor
         template = dataclasses.replace(template, image_processor=load_image_processor(path))
     template.fix_tokenizer(tokenizer)
     return tokenizer, template
+
+
+def auto_model_type(model_args, template: str | None, tokenizer) -> str | None:
+    """config.json's model_type where ``template: auto`` needs it (the tokenizer has no chat template:
+    the model family's template is used), else None; None too when it cannot be read."""
+    if template not in (None, AUTO) or getattr(tokenizer, "chat_template", None):
+        return None
+    path = resolve_model_path(model_args.model_name_or_path)
+    try:
+        if os.path.isdir(path):  # a folder: its config.json, read as it is (an adapter folder has none)
+            with open(os.path.join(path, "config.json"), encoding="utf-8") as f:
+                model_type = json.load(f).get("model_type")
+        else:
+            model_type = getattr(model_config(model_args), "model_type", None)
+    except (OSError, ValueError, AttributeError):  # no config to read: the tokenizer alone decides
+        return None
+    return model_type if isinstance(model_type, str) else None
 
 
 def customize_template(template, data_args, for_requests: bool = False):

@@ -41,7 +41,7 @@ RL_LITERALS = ("advantage_estimator", "loss_type", "rollout_backend", "async_rol
 FIELDS: tuple[Field, ...] = (
     Field("model_name_or_path", "model", "text", "tiny:qwen2",
           help="hub id, local folder, tiny:<family> (random-init, offline) or demo:smollm2-135m-instruct"),
-    Field("template", "model", "select", "auto", help="chat template; auto reads it from the tokenizer"),
+    Field("template", "model", "select", "auto", help="auto: the tokenizer's own chat template, else the model family's"),
     Field("stage", "method", "select", "sft"),
     Field("finetuning_type", "method", "select", "lora", choices=("lora", "full", "freeze")),
     Field("lora_rank", "method", "number", 8, when=("finetuning_type", "lora")),
@@ -115,6 +115,37 @@ FIELDS: tuple[Field, ...] = (
     Field("resources_per_worker", "ray", "number", 1, help="CPUs per worker (a GPU cluster: edit the YAML)"),
 )
 FIELD_BY_KEY = {f.key: f for f in FIELDS}
+# What the page calls each field; the config key stays beside it ("Learning rate (learning_rate)").
+LABELS = {
+    "model_name_or_path": "Model", "template": "Chat template", "stage": "Training stage",
+    "finetuning_type": "Fine-tuning method", "lora_rank": "LoRA rank", "lora_alpha": "LoRA alpha",
+    "lora_dropout": "LoRA dropout", "lora_target": "LoRA target modules", "additional_target": "Fully trained modules",
+    "freeze_trainable_layers": "Trainable layers", "pref_loss": "Preference loss", "pref_beta": "Preference beta",
+    "reward_funcs": "Reward functions", "reward_weights": "Reward weights", "reward_model": "Reward model",
+    "reward_model_type": "Reward model type", "num_generations": "Completions per prompt",
+    "rollout_batch_size": "Rollout batch size", "max_completion_length": "Completion length",
+    "beta": "KL weight", "loss_type": "Policy loss", "advantage_estimator": "Advantage estimator",
+    "epsilon": "Clip range", "num_iterations": "Updates per batch", "rollout_backend": "Rollout backend",
+    "async_rollout": "Asynchronous rollouts", "max_staleness": "Max staleness", "environment": "Environment",
+    "tools": "Tools", "max_turns": "Max turns", "max_turn_tokens": "Tokens per turn", "dataset_dir": "Data folder",
+    "dataset": "Datasets", "eval_dataset": "Eval datasets", "cutoff_len": "Cutoff length",
+    "max_samples": "Max samples", "output_dir": "Output folder", "logging_steps": "Logging steps",
+    "save_steps": "Save steps", "per_device_train_batch_size": "Batch size per worker",
+    "gradient_accumulation_steps": "Gradient accumulation", "learning_rate": "Learning rate",
+    "num_train_epochs": "Epochs", "max_steps": "Max steps", "lr_scheduler_type": "LR schedule",
+    "warmup_steps": "Warmup steps", "bf16": "bf16", "seed": "Seed", "ray_num_workers": "Workers",
+    "resources_per_worker": "CPUs per worker",
+}
+# Hub ids the model field suggests besides the built-in ones, with their chat template (the UI never
+# downloads: one works once it is in this machine's hub cache). A test keeps each template registered.
+HUB_MODELS = (
+    ("Qwen/Qwen2.5-0.5B-Instruct", "qwen"), ("Qwen/Qwen2.5-1.5B-Instruct", "qwen"), ("Qwen/Qwen3-0.6B", "qwen3"),
+    ("Qwen/Qwen3-1.7B", "qwen3"), ("meta-llama/Llama-3.2-1B-Instruct", "llama3"),
+    ("meta-llama/Llama-3.1-8B-Instruct", "llama3"), ("mistralai/Mistral-7B-Instruct-v0.3", "mistral"),
+    ("google/gemma-2-2b-it", "gemma2"), ("google/gemma-3-1b-it", "gemma3"),
+    ("microsoft/Phi-3-mini-4k-instruct", "phi"), ("HuggingFaceTB/SmolLM2-135M-Instruct", "smollm2"),
+    ("Qwen/Qwen2-VL-2B-Instruct", "qwen2_vl"), ("llava-hf/llava-1.5-7b-hf", "llava"),
+)
 # Not fields (a run from the board always trains and plots): the extra keys a new form starts with.
 NEW_FORM_EXTRA = {"do_train": True, "plot_loss": True}
 REQUIRED_CHOICES = ("stage", "finetuning_type")  # every other select has a blank choice: "not written"
@@ -140,9 +171,9 @@ def form_spec() -> dict[str, Any]:
             choices = literal_choices(FinetuningArguments, f.key)
         if f.kind == "select" and f.key not in REQUIRED_CHOICES:
             choices = ("", *choices)
-        fields.append({**asdict(f), "choices": list(choices)})
+        fields.append({**asdict(f), "choices": list(choices), "label": LABELS.get(f.key, f.key)})
     return {"sections": list(SECTIONS), "fields": fields, "extra_text": extra_text(NEW_FORM_EXTRA),
-            "models": model_suggestions()}
+            "models": model_suggestions(), "model_list": model_list()}
 
 
 def rl_choices(key: str) -> tuple[str, ...]:
@@ -167,6 +198,21 @@ def model_suggestions() -> list[str]:
     from registries.models.families import list_model_families
 
     return [f"tiny:{family}" for family in list_model_families()] + [DEMO_PREFIX + m for m in list_demo_models()]
+
+
+def model_list() -> list[dict[str, str]]:
+    """Every model the field suggests, as {name, template (what picking it sets), note}: the tiny
+    models with their family's template and the demo models with their own (the registries'), then
+    HUB_MODELS."""
+    from registries.models.demo import DEMO_PREFIX, get_demo_model, list_demo_models
+    from registries.models.families import get_model_family, list_model_families
+
+    out = [{"name": f"tiny:{name}", "template": get_model_family(name).template,
+            "note": f"random-init {name}, offline"} for name in list_model_families()]
+    out += [{"name": DEMO_PREFIX + name, "template": get_demo_model(name).template, "note": "a real small model"}
+            for name in list_demo_models()]
+    out += [{"name": name, "template": template, "note": "hub id (from the hub cache)"} for name, template in HUB_MODELS]
+    return out
 
 
 def extra_text(extra: dict[str, Any]) -> str:

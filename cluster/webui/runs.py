@@ -1,11 +1,13 @@
 """Runs started from the page: each one a Ray job running ``rayfactory train <config>``.
 
-A Ray job lives in the cluster, not in this server: closing the browser, or stopping the web UI,
-leaves it running. With no job address the UI starts a Ray head of its own on this machine
-(``cluster/local_head.py``, dashboard on 127.0.0.1, Ray's token auth with a token of its own,
-recorded in the share dir so a restarted UI finds it again) and the job runs from the folder the UI was started in, so relative paths in the
-config (dataset_dir, output_dir) mean what they mean to ``rayfactory train`` run there. With an
-address the checkout is uploaded as the job's working dir, as ``rayfactory submit`` does.
+A Ray job lives in the cluster, not in this server: closing the browser leaves it running. With no
+job address the UI starts a Ray head of its own on this machine (``cluster/local_head.py``,
+dashboard on 127.0.0.1, Ray's token auth with a token of its own, recorded in the share dir) and
+the job runs from the folder the UI was started in, so relative paths in the config (dataset_dir,
+output_dir) mean what they mean to ``rayfactory train`` run there. Stopping the UI stops that head
+and the runs on it (``shutdown``: their checkpoints stay, Resume continues them). With an address
+the checkout is uploaded as the job's working dir, as ``rayfactory submit`` does, and the cluster
+and its runs go on when the UI stops.
 
 Progress and the charts come from the run's own ``trainer_log.jsonl`` (``charts``: the series the
 page draws, picked here so the browser only draws them), the console from Ray's job logs.
@@ -25,12 +27,14 @@ from typing import Any, Callable
 
 from registries.errors import UserError
 
-from ..local_head import Head, start_head
+from ..local_head import Head, session_processes, start_head, stop_head
 from ..submit import REPO_ROOT, config_argument, runtime_env
 from .form import write_yaml
 from .paths import check_config
 
 HEAD_FILE = "ray-head.json"
+HEAD_GONE = ("(this run's Ray head is gone: the web UI stops its head, and the runs on it, when it stops. "
+             "Its checkpoints are in output_dir; Resume continues from the latest.)\n")
 LOG_TAIL_CHARS = 6000
 ENDED = ("SUCCEEDED", "FAILED", "STOPPED")
 # The run page's charts: (id, title, the trainer_log keys it draws). A chart's series are the keys the
@@ -84,6 +88,20 @@ def charts(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
                 series.append({"key": key, "points": points})
         out.append({"id": chart_id, "title": title, "series": series})
     return out
+
+
+def _holds_temp_dir(head: Head) -> bool:
+    """Some process of the head's session names its temp dir: the session is that head's, not a
+    later one that got the same id."""
+    import psutil
+
+    for proc in session_processes(head):
+        try:
+            if any(head.temp_dir in arg for arg in proc.cmdline()):
+                return True
+        except psutil.Error:
+            continue
+    return False
 
 
 @dataclass
@@ -187,11 +205,17 @@ class Runs:
         return sorted(found, key=lambda run: run.started, reverse=True)
 
     def status(self, job_id: str) -> dict[str, Any]:
-        """The job's state, its progress, the series of its charts and the tail of its console."""
+        """The job's state, its progress, the series of its charts and the tail of its console. A run
+        whose Ray head is gone (stopped with an earlier UI) reads as STOPPED: its log is still shown."""
         run = self.get(job_id)
-        client = self._client(run.address)
-        state = str(client.get_job_status(job_id).value)
-        logs = client.get_job_logs(job_id)
+        try:
+            client = self._client(run.address)
+            state = str(client.get_job_status(job_id).value)
+            logs = client.get_job_logs(job_id)
+        except Exception:  # noqa: BLE001 (Ray's client raises several kinds for a server that is not there)
+            if not self._head_gone(run):
+                raise
+            state, logs = "STOPPED", HEAD_GONE
         records = read_records(run.output_dir)
         last = next((r for r in reversed(records) if _value(r, "current_steps") is not None), {})
         return {
@@ -208,7 +232,39 @@ class Runs:
 
     def stop(self, job_id: str) -> bool:
         run = self.get(job_id)
-        return bool(self._client(run.address).stop_job(job_id))
+        try:
+            return bool(self._client(run.address).stop_job(job_id))
+        except Exception:  # noqa: BLE001 (as in status)
+            if not self._head_gone(run):
+                raise
+            return False
+
+    def _head_gone(self, run: Run) -> bool:
+        """The run ran on a head of this UI's that is no longer there (a head's ports are new each time)."""
+        if self.job_address:
+            return False
+        head = Head.load(os.path.join(self.share_dir, HEAD_FILE))
+        return head is None or head.dashboard_url != run.address
+
+    def shutdown(self) -> str:
+        """Stop this UI's own Ray head, and so every run on it; what was done, as one line for the
+        terminal. A cluster given with --address is never stopped."""
+        if self.job_address:
+            return (f"rayfactory webui: stopped; the runs on {self.job_address} go on (a cluster given with "
+                    "--address is never stopped)")
+        path = os.path.join(self.share_dir, HEAD_FILE)
+        head = Head.read(path)
+        if head is None or not (Head.load(path) or _holds_temp_dir(head)):  # none, or long gone (its pid reused?)
+            return "rayfactory webui: stopped (no Ray head of its own was running)"
+        processes = len(session_processes(head))
+        stop_head(head)
+        self._clients.clear()
+        try:
+            os.remove(path)
+        except OSError:
+            pass
+        return (f"rayfactory webui: stopped, and its Ray head at {head.dashboard_url} ({processes} processes); "
+                "runs started from the UI stopped with it (their checkpoints stay in output_dir: Resume continues them)")
 
     def resume(self, job_id: str, check: Callable[[dict[str, Any]], Any] = lambda config: None) -> Run:
         """The same config again, from the latest complete checkpoint in its output_dir; ``check``

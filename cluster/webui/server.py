@@ -9,8 +9,10 @@ server binds to 127.0.0.1 unless told otherwise; anywhere else it wants an acces
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import os
+import signal
 import threading
 from collections.abc import Iterable
 from dataclasses import asdict
@@ -44,9 +46,11 @@ def create_app(share_dir: str, token: str | None = None, job_address: str | None
 
     app = FastAPI(title="RayFactory", docs_url=None, redoc_url=None, openapi_url=None)
     runs = Runs(share_dir, job_address, cwd)
+    app.state.runs = runs  # run_webui stops the UI's own Ray head through it when the UI stops
     roots = runs.roots
     hosts = guard.allowed_hosts(host, allowed_hosts)
     chats = _ChatCache()
+    templates = _TemplateCache()
 
     def checked(cfg: dict[str, Any]) -> dict[str, Any]:
         """A config from a request with its paths confined and resolved, and no code it may not run."""
@@ -112,6 +116,24 @@ def create_app(share_dir: str, token: str | None = None, job_address: str | None
         return {"config": cfg, "yaml": form.to_yaml(cfg), "config_path": path,
                 "command": form.command_line(path, job_address), "error": error}
 
+    @app.post("/api/template")
+    def template(body: dict = Json):
+        """The template a run of the form's model takes: ``auto`` resolved from the model's tokenizer as
+        the run resolves it (stages/loading.py), with why; a model this UI cannot load without the
+        network gets {"template": null} and the reason."""
+        model = _text(body, "model_name_or_path", "", limit=4096).strip()
+        name = _text(body, "template", "", limit=200).strip() or "auto"
+        if name != "auto":
+            return {"template": name, "auto": False, "reason": "named in the config"}
+        if not model:
+            return {"template": None, "auto": True, "reason": "model_name_or_path is not set"}
+        try:
+            keys = check_config({"model_name_or_path": model}, roots)
+            check_loadable_here(keys, roots)
+        except UserError as exc:
+            return {"template": None, "auto": True, "reason": f"the run resolves it from the tokenizer ({exc})"}
+        return {**templates.resolve(keys["model_name_or_path"]), "auto": True}
+
     @app.post("/api/yaml/load")
     def load_yaml(body: dict = Json):
         text = _text(body, "text", None, limit=MAX_YAML_CHARS)
@@ -175,18 +197,19 @@ def create_app(share_dir: str, token: str | None = None, job_address: str | None
         return {"job_id": runs.resume(job_id, checked).job_id}
 
     @app.post("/api/chat")
-    def chat(body: dict = Json):
+    async def chat(body: dict = Json):
+        """The reply as server-sent events, like ``rayfactory webchat``'s: ``{"text"}`` per piece, then
+        ``{"done", "finish_reason", "prompt_tokens", "completion_tokens"}`` (or ``{"error"}``)."""
+        from starlette.concurrency import run_in_threadpool
+
         messages, system, settings = chat_request(body)
-        model = chats.get(_model_keys(body, roots))
-        pieces = model.stream_chat(messages, system, **settings)
-        first = next(pieces, None)  # a mistake in the request is a 400 now, not an error inside a 200 stream
-
-        def reply():
-            if first is not None:
-                yield first
-            yield from pieces
-
-        return StreamingResponse(reply(), media_type="text/plain; charset=utf-8")
+        keys = await run_in_threadpool(_model_keys, body, roots)
+        model = await run_in_threadpool(chats.get, keys)
+        prepared = await run_in_threadpool(lambda: model.request(messages, system, None, **settings))
+        deltas = model.stream_deltas(prepared)
+        first = await run_in_threadpool(next, deltas, None)  # an engine's refusal is a 400 now, not in a 200 stream
+        return StreamingResponse(_chat_events(deltas, first, len(prepared.prompt_ids)),
+                                 media_type="text/event-stream", headers={"x-accel-buffering": "no"})
 
     @app.post("/api/export")
     def export(body: dict = Json):
@@ -270,6 +293,72 @@ def _export(roots: tuple[str, ...], body: dict[str, Any]) -> dict[str, Any]:
     return {"export_dir": cfg.export.export_dir, "files": files}
 
 
+async def _chat_events(deltas, first, prompt_tokens: int):
+    """The events of one reply. When the page stops reading (its Stop button aborts the request) the
+    delta stream is closed, which cancels the reply in the engine (ChatModel.stream_deltas)."""
+    import anyio
+    from starlette.concurrency import run_in_threadpool
+
+    tokens, reason = 0, None
+    delta = first
+    try:
+        while delta is not None:
+            tokens += delta.tokens
+            reason = delta.finish_reason or reason
+            if delta.text:
+                yield _sse({"text": delta.text})
+            delta = await run_in_threadpool(next, deltas, None)
+        yield _sse({"done": True, "finish_reason": reason or "stop", "prompt_tokens": prompt_tokens,
+                    "completion_tokens": tokens})
+    except UserError as exc:
+        yield _sse({"error": str(exc)})
+    finally:
+        with anyio.CancelScope(shield=True):
+            await run_in_threadpool(deltas.close)
+
+
+def _sse(data: dict[str, Any]) -> bytes:
+    return f"data: {json.dumps(data, ensure_ascii=False)}\n\n".encode("utf-8")
+
+
+class _TemplateCache:
+    """What ``template: auto`` resolves to per model (tokenizers of built-in ids do not change; a
+    folder is looked at again each time)."""
+
+    def __init__(self):
+        self.lock = threading.Lock()
+        self.known: dict[str, dict[str, Any]] = {}
+
+    def resolve(self, model: str) -> dict[str, Any]:
+        with self.lock:
+            if model not in self.known:
+                answer = _resolve_auto_template(model)
+                if not model.startswith(("tiny:", "demo:")):
+                    return answer
+                self.known[model] = answer
+            return self.known[model]
+
+
+def _resolve_auto_template(model: str) -> dict[str, Any]:
+    import warnings
+
+    from registries.models.demo import DEMO_PREFIX, get_demo_model
+    from registries.templates.autodetect import auto_template_reason, resolve_template
+    from stages.loading import auto_model_type, load_tokenizer, resolve_model_path
+    from stages.run_args import ModelArguments
+
+    if model.startswith(DEMO_PREFIX):  # its converted folder may not be made yet: the registry knows its template
+        name = get_demo_model(model[len(DEMO_PREFIX):]).template
+        return {"template": name, "reason": "the demo model's own chat template"}
+    args = ModelArguments(model_name_or_path=model)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the reason below says what the run's warning would
+        tokenizer = load_tokenizer(resolve_model_path(model))
+        model_type = auto_model_type(args, "auto", tokenizer)
+        name = resolve_template("auto", tokenizer, model_type).name
+    return {"template": name, "reason": auto_template_reason(tokenizer, name, model_type)}
+
+
 class _ChatCache:
     """One loaded model at a time: the page chats with one output, and a model holds memory."""
 
@@ -297,6 +386,9 @@ class _ChatCache:
 
 
 def add_webui_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    parser.epilog = ("Without --address the UI starts a Ray head of its own for its runs; stopping the UI (Ctrl-C, "
+                     "SIGTERM) stops that head and the runs started from the UI (their checkpoints stay: Resume "
+                     "continues them). With --address the cluster and its runs go on.")
     parser.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback only)")
     parser.add_argument("--port", type=int, default=7860, help="port to listen on (default %(default)s)")
     parser.add_argument("--share-dir", default="saves/webui",
@@ -305,7 +397,8 @@ def add_webui_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
                         help="access token the page must send (required with a non-loopback --host); "
                              "default $RAYFACTORY_WEBUI_TOKEN")
     parser.add_argument("--address", default=None,
-                        help="a Ray cluster's dashboard URL to run jobs on (default: a local Ray this UI starts)")
+                        help="a Ray cluster's dashboard URL to run jobs on; its runs go on when the UI stops "
+                             "(default: a Ray head this UI starts, which stops with the UI, and the runs on it)")
     parser.add_argument("--allow-code", action="store_true",
                         help="let configs name Python modules of their own (reward_funcs, tools, environment as "
                              "module.path:attr), found in the folder the UI runs in, and ray_init_kwargs; "
@@ -324,10 +417,31 @@ def run_webui(args: argparse.Namespace) -> int:
     app = create_app(args.share_dir, args.token, args.address, host=args.host, allowed_hosts=args.allow_host,
                      allow_code=args.allow_code)
     suffix = f"/?token={args.token}" if args.token else "/"
-    print(f"rayfactory webui: http://{args.host}:{args.port}{suffix}  (Ctrl-C stops the UI; started runs go on)",
-          flush=True)
+    stops = (f"runs on {args.address} go on" if args.address else
+             "and its Ray head, with the runs started from the UI")
+    print(f"rayfactory webui: http://{args.host}:{args.port}{suffix}  (Ctrl-C stops the UI {stops})", flush=True)
     if args.host in WILDCARDS and not args.allow_host:
         print("rayfactory webui: browsers must reach it by a loopback name, or by a name given with --allow-host",
               flush=True)
-    uvicorn.run(app, host=args.host, port=args.port, log_level="warning")
-    return 0
+    # uvicorn shuts down on SIGINT and SIGTERM, then raises the signal again under the handlers it found:
+    # SIGTERM's would end the process here, before the head is stopped; this one unwinds to `finally`.
+    previous = signal.signal(signal.SIGTERM, _exit_on_sigterm)
+    code = 0
+    try:
+        uvicorn.run(app, host=args.host, port=args.port, log_level="warning")
+    except KeyboardInterrupt:
+        code = 130
+    except SystemExit as stop:
+        code = stop.code if isinstance(stop.code, int) else 1
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+        interrupt = signal.signal(signal.SIGINT, signal.SIG_IGN)  # a second Ctrl-C must not leave half a head
+        try:
+            print(app.state.runs.shutdown(), flush=True)
+        finally:
+            signal.signal(signal.SIGINT, interrupt)
+    return code
+
+
+def _exit_on_sigterm(signum, frame):
+    raise SystemExit(128 + signal.SIGTERM)

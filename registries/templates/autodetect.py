@@ -46,16 +46,18 @@ class TemplateMismatchWarning(UserWarning):
     """The chosen template renders differently from the tokenizer's own chat template."""
 
 
-def resolve_template(name: str | None, tokenizer) -> Template:
+def resolve_template(name: str | None, tokenizer, model_type: str | None = None) -> Template:
     """The template to train with.
 
     ``None`` or ``"auto"``: the registered template whose renderings equal the tokenizer's chat
-    template (``"empty"``, with a warning, when none does or the tokenizer has none). A name:
-    that template, with a ``TemplateMismatchWarning`` and a diff when it renders differently
-    from the tokenizer's own chat template.
+    template. A tokenizer without one (a base model, a ``tiny:`` model) gets its model family's
+    template when ``model_type`` (config.json's) names a registered family, as LLaMA-Factory users
+    name it by hand; ``"empty"``, with a warning, when no registered template matches or the family
+    is unknown. A name: that template, with a ``TemplateMismatchWarning`` and a diff when it
+    renders differently from the tokenizer's own chat template.
     """
     if name is None or name == AUTO:
-        return _detect(tokenizer)
+        return _detect(tokenizer, model_type)
     template = get_template(name)
     if getattr(tokenizer, "chat_template", None):
         diff = _first_difference(template, tokenizer)
@@ -80,8 +82,36 @@ def matching_templates(tokenizer) -> list[str]:
     return [n for n in list_templates() if _renderings(get_template(n), tokenizer, expected) == expected]
 
 
-def _detect(tokenizer) -> Template:
+def auto_template_reason(tokenizer, resolved: str, model_type: str | None = None) -> str:
+    """Why ``template: auto`` resolved to ``resolved`` for this tokenizer, in a few words (the web
+    UI shows it beside the name)."""
     if not getattr(tokenizer, "chat_template", None):
+        family = _family_template(model_type)
+        if family and family[1] == resolved:
+            return f"the tokenizer has no chat template; {resolved!r} is the {family[0]} family's template"
+        return "the tokenizer has no chat template and no registered model family matches: no role markers"
+    if resolved == FALLBACK:
+        return "no registered template renders like the tokenizer's chat template: no role markers"
+    return "it renders like the tokenizer's own chat template"
+
+
+def _family_template(model_type: str | None) -> tuple[str, str] | None:
+    """(family name, its default template) of the registered family of config.json's ``model_type``."""
+    from registries.models.families import family_for_model_type, is_registered_model_type
+
+    if not model_type or not is_registered_model_type(model_type):
+        return None
+    family = family_for_model_type(model_type)
+    return family.name, family.template
+
+
+def _detect(tokenizer, model_type: str | None = None) -> Template:
+    if not getattr(tokenizer, "chat_template", None):
+        family = _family_template(model_type)
+        if family:
+            logger.info("template: auto -> %r: the tokenizer has no chat template; it is the %s family's template.",
+                        family[1], family[0])
+            return get_template(family[1])
         warnings.warn(
             "template is not set (or 'auto') and the tokenizer has no chat template: using the 'empty' "
             "template (no role markers). Set `template:` to the model's family to train a chat model.",

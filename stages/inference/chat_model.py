@@ -228,12 +228,21 @@ class ChatModel:
         """Text pieces as they come. Interruptible: when the caller stops reading (Ctrl-C, a break,
         an error), the reply is cancelled and this waits until the engine has let go of it, so the
         next request does not queue behind a reply nobody reads."""
+        return self._iterate(self.astream_chat(messages, system, tools, **options))
+
+    def stream_deltas(self, request: GenerationRequest) -> Iterator[ChatDelta]:
+        """``stream_request`` for a sync caller (the web UI's Chat tab): each delta with its token
+        count and, last, the finish reason; closing the iterator cancels the reply, as in stream_chat."""
+        return self._iterate(self.stream_request(request))
+
+    def _iterate(self, stream: AsyncIterator) -> Iterator:
+        """The items of an async stream, produced on this model's loop, read from this thread."""
         pieces: queue.Queue = queue.Queue()
 
         async def produce():
             try:
-                async for text in self.astream_chat(messages, system, tools, **options):
-                    pieces.put(text)
+                async for item in stream:
+                    pieces.put(item)
             except BaseException as exc:  # noqa: BLE001 (re-raised in the reading thread)
                 pieces.put(exc)
             finally:

@@ -73,3 +73,16 @@ def test_a_missing_package_says_what_to_install():
 def test_a_demo_model_is_registered_once():
     with pytest.raises(ValueError, match="already registered"):
         register_demo_model(get_demo_model(SMOLLM2))
+
+
+@pytest.mark.parametrize(("family", "expected"), [("qwen2", "qwen"), ("llama", "llama3"), ("qwen2_vl", "qwen2_vl")])
+def test_template_auto_of_a_tiny_model_is_its_familys_template(family, expected):
+    """tiny:<family> tokenizers carry no chat template: `template: auto` takes the family's (the web UI's
+    default model is tiny:qwen2 with auto), not 'empty'."""
+    from registries.datasets.data_args import DataArguments
+    from stages.loading import load_tokenizer_and_template
+    from stages.run_args import ModelArguments
+
+    tokenizer, template = load_tokenizer_and_template(ModelArguments(model_name_or_path=f"tiny:{family}"),
+                                                      DataArguments(template="auto"))
+    assert not tokenizer.chat_template and template.name == expected

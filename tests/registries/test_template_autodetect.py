@@ -10,7 +10,8 @@ from pathlib import Path
 import pytest
 
 from registries.templates import get_template
-from registries.templates.autodetect import TemplateMismatchWarning, matching_templates, resolve_template
+from registries.templates.autodetect import TemplateMismatchWarning, auto_template_reason, matching_templates, \
+    resolve_template
 from registries.templates.jinja import to_jinja
 
 
@@ -43,6 +44,36 @@ def test_a_tokenizer_without_chat_template_falls_back_to_empty(mistral_tokenizer
     assert not mistral_tokenizer.chat_template
     with pytest.warns(TemplateMismatchWarning, match="tokenizer has no chat template: using the 'empty' template"):
         assert resolve_template(None, mistral_tokenizer).name == "empty"
+
+
+@pytest.mark.parametrize(("model_type", "expected"), [("qwen2", "qwen"), ("llama", "llama3"), ("gemma3_text", "gemma3"),
+                                                   ("mistral", "mistral")])
+def test_a_tokenizer_without_chat_template_takes_its_known_familys_template(mistral_tokenizer, model_type, expected):
+    """No chat template, but config.json's model_type names a registered family (a tiny: model, a base
+    model): that family's template, as a LLaMA-Factory user would name it, and no warning."""
+    from registries.models.families import default_template_for
+
+    assert not mistral_tokenizer.chat_template
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        for name in (None, "auto"):
+            assert resolve_template(name, mistral_tokenizer, model_type).name == expected == \
+                default_template_for(model_type)
+    assert auto_template_reason(mistral_tokenizer, expected, model_type).startswith(
+        f"the tokenizer has no chat template; {expected!r} is the ")
+
+
+def test_an_unknown_family_without_chat_template_still_falls_back_to_empty(mistral_tokenizer):
+    with pytest.warns(TemplateMismatchWarning, match="tokenizer has no chat template: using the 'empty' template"):
+        assert resolve_template("auto", mistral_tokenizer, "no_such_model_type").name == "empty"
+    assert resolve_template("qwen", mistral_tokenizer, "mistral").name == "qwen"  # a named template is kept
+
+
+def test_a_genuine_chat_template_wins_over_the_family(qwen3_tokenizer):
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert resolve_template("auto", qwen3_tokenizer, "qwen2").name == "qwen3"  # qwen2's default is qwen
+    assert auto_template_reason(qwen3_tokenizer, "qwen3", "qwen2") == "it renders like the tokenizer's own chat template"
 
 
 def test_an_unknown_chat_template_falls_back_to_empty_and_names_the_closest(llama3_tokenizer):

@@ -8,6 +8,10 @@ let SPEC = null;          // {sections, fields}
 let CONFIG = null;        // the server's last answer for the form
 let RUN = null;           // the job id shown in the Run panel
 let POLL = null;
+let CHECKED = false;      // the server has checked the form as it is now, and found no error
+let STARTING = false;     // Start was pressed and the server has not answered yet
+let MODELS = {};          // model name -> {name, template, note}: what picking a model fills in
+let PICKED = null;        // the model last picked, whose template the form took
 
 async function api(path, body, raw) {
   const options = { headers: { "x-rayfactory-token": TOKEN } };
@@ -42,7 +46,7 @@ function buildForm() {
     for (const f of SPEC.fields.filter((x) => x.section === section)) fieldset.appendChild(fieldInput(f));
     form.appendChild(fieldset);
   }
-  form.addEventListener("input", scheduleRefresh);
+  form.addEventListener("input", (e) => { if (e.target.id === "f-model_name_or_path") modelPicked(); scheduleRefresh(); });
   form.addEventListener("change", scheduleRefresh);
 }
 
@@ -62,8 +66,16 @@ function fieldInput(f) {
   }
   input.id = `f-${f.key}`;
   input.name = f.key;
-  label.append(f.key, input);
+  const name = document.createElement("span");  // "Learning rate (learning_rate)": the YAML's key beside
+  name.className = "label-text";
+  name.textContent = f.label || f.key;
+  const key = document.createElement("code");
+  key.className = "key";
+  key.textContent = f.key;
+  if (f.kind === "check") label.append(input, name, " ", key);
+  else label.append(name, " ", key, input);
   if (f.help) label.insertAdjacentHTML("beforeend", `<div class="help">${escapeHtml(f.help)}</div>`);
+  if (f.key === "template") label.insertAdjacentHTML("beforeend", '<div class="resolved" id="template-resolved"></div>');
   label.insertAdjacentHTML("beforeend", `<div class="field-error" id="err-${f.key}" hidden></div>`);
   return label;  // main() sets the defaults once every field is in the page (setValues)
 }
@@ -111,29 +123,111 @@ function updateVisibility() {
 }
 
 let refreshTimer = null;
+let refreshSeq = 0;  // answers to older requests than the newest are dropped
+let WANTED = null;   // the form (values and the "more keys" box) the latest check is for
+function formKey() { return JSON.stringify([fieldValues(), $("extra").value]); }
+
 function scheduleRefresh() {
   updateVisibility();
+  const key = formKey();
+  // A change event for what was already checked (an input losing focus, as on a click on Start) is no
+  // edit: the check stands, and Start stays as it is.
+  if (key === WANTED) return;
+  WANTED = key;
+  setChecking();
   clearTimeout(refreshTimer);
   refreshTimer = setTimeout(refresh, 250);
 }
 
+// Between an edit and the server's answer for it, the config is unchecked: Start waits for the check.
+function setChecking() {
+  CHECKED = false;
+  $("yaml").dataset.valid = "pending";
+  setConfigState("checking", "checking the config ...");
+  updateStart();
+}
+
+function setConfigState(state, text) {
+  const box = $("config-state");
+  box.dataset.state = state;
+  box.textContent = text;
+}
+
+function updateStart() {
+  const start = $("run-start");
+  start.disabled = !CHECKED || STARTING;
+  start.title = STARTING ? "starting the job ..." : CHECKED ? "" : "waiting for the config to be checked";
+}
+
 async function refresh() {
-  if ($("f-dataset_dir").value !== DATASET_DIR) await loadDatasets();
-  const answer = await api("/api/config", { values: fieldValues(), extra_text: $("extra").value });
+  const seq = ++refreshSeq;
+  WANTED = formKey();
+  setChecking();
+  let answer;
+  try {
+    if ($("f-dataset_dir").value !== DATASET_DIR) await loadDatasets();
+    answer = await api("/api/config", { values: fieldValues(), extra_text: $("extra").value });
+  } catch (e) {
+    if (seq !== refreshSeq) return;
+    setConfigState("error", `cannot check the config: ${e.message}`);
+    $("yaml").dataset.valid = "false";
+    return;
+  }
+  if (seq !== refreshSeq) return;  // the form changed meanwhile: its own check answers
   CONFIG = answer;
   $("yaml").textContent = answer.yaml;
   $("command").textContent = answer.command;
   if (!$("yaml-path").value) $("yaml-path").placeholder = answer.config_path;
   for (const box of document.querySelectorAll(".field-error")) { box.hidden = true; box.textContent = ""; }
   const error = answer.error;
-  $("yaml").dataset.valid = error ? "false" : "true";
   showError("config-error", error && !error.key ? error.message : "");
   if (error && error.key) {
     const box = $(`err-${error.key}`);
     box.hidden = false;
     box.textContent = error.message;
   }
-  $("run-start").disabled = Boolean(error);
+  CHECKED = !error;
+  setConfigState(error ? "error" : "ok", error ? `the config has an error${error.key ? ` (${error.key})` : ""}: Start waits for a fix`
+    : "config checked: Start runs it");
+  $("yaml").dataset.valid = error ? "false" : "true";
+  updateStart();
+  resolveTemplate();
+}
+
+// What `template: auto` (or the named template) is for the form's model, as the run will resolve it.
+let templateKey = null;
+async function resolveTemplate() {
+  const model = $("f-model_name_or_path").value.trim(), template = $("f-template").value;
+  const key = `${model}\n${template}`;
+  if (key === templateKey) return;
+  templateKey = key;
+  const box = $("template-resolved");
+  if (template && template !== "auto") {
+    const picked = PICKED && PICKED.name === model && PICKED.template === template;
+    box.textContent = picked ? `set from the model: ${template} (${PICKED.note})` : "";
+    box.dataset.template = template;
+    return;
+  }
+  box.dataset.template = "";
+  box.innerHTML = '<span class="spinner"></span> resolving auto from the tokenizer ...';
+  let answer;
+  try {
+    answer = await api("/api/template", { model_name_or_path: model, template: template || "auto" });
+  } catch (e) { answer = { template: null, reason: e.message }; }
+  if (key !== templateKey) return;
+  box.dataset.template = answer.template || "";
+  box.textContent = answer.template ? `auto \u2192 ${answer.template}: ${answer.reason}` : `auto: ${answer.reason}`;
+}
+
+// Picking a model the registries know sets the template to its family's (LlamaBoard does the same).
+function modelPicked() {
+  const model = MODELS[$("f-model_name_or_path").value.trim()];
+  if (!model || !model.template) return;
+  const select = $("f-template");
+  if (![...select.options].some((o) => o.value === model.template)) return;
+  PICKED = model;
+  if (select.value !== model.template) select.value = model.template;
+  templateKey = null;
 }
 
 let DATASET_DIR = null;  // the folder the dataset lists were read from
@@ -179,12 +273,14 @@ async function loadRuns(select) {
   const runs = (await api("/api/runs")).runs;
   const list = $("run-list");
   list.innerHTML = "";
+  if (!runs.length) list.add(new Option("no runs started from this UI yet", ""));
   for (const run of runs) list.add(new Option(`${run.job_id}  (${run.output_dir})`, run.job_id));
   if (select) list.value = select;
   return runs;
 }
 
 function follow(jobId) {
+  if (!jobId) return;
   RUN = jobId;
   $("run-list").value = jobId;
   clearInterval(POLL);
@@ -192,23 +288,51 @@ function follow(jobId) {
   POLL = setInterval(pollRun, 2000);
 }
 
-async function startRun(resume) {
-  showError("run-error", "");
-  try {
-    const answer = resume ? await api(`/api/runs/${RUN}/resume`, {}) : await api("/api/runs", { values: fieldValues(), extra_text: $("extra").value });
-    $("run-status").textContent = `${answer.job_id}: submitted`;
-    await loadRuns();
-    follow(answer.job_id);
-  } catch (e) { showError("run-error", e.message); }
+// The Run panel's line: what the job is doing, with a spinner while something is under way.
+function setRunStatus(text, status, busy) {
+  const line = $("run-status");
+  line.textContent = text;
+  line.dataset.status = status;
+  line.classList.toggle("busy", Boolean(busy));
 }
 
+async function startRun(resume) {
+  showError("run-error", "");
+  STARTING = true;
+  updateStart();
+  $("run-resume").disabled = true;
+  setRunStatus("starting job ... (a first run also starts the UI's Ray head, ~15 s)", "STARTING", true);
+  $("progress").textContent = "";
+  $("console").textContent = "";
+  $("console").dataset.placeholder = "the job's console appears here once it starts";
+  try {
+    const answer = resume ? await api(`/api/runs/${RUN}/resume`, {}) : await api("/api/runs", { values: fieldValues(), extra_text: $("extra").value });
+    setRunStatus(`${answer.job_id}: submitted, waiting for the job to report ...`, "SUBMITTED", true);
+    await loadRuns();
+    follow(answer.job_id);
+  } catch (e) {
+    setRunStatus("the job did not start", "", false);
+    showError("run-error", e.message);
+    if (RUN) pollRun();  // the run shown before stays shown (and resumable)
+  }
+  STARTING = false;
+  updateStart();
+}
+
+const STATUS_TEXT = {
+  PENDING: "pending: Ray is starting the job ...", RUNNING: "running", SUCCEEDED: "finished",
+  STOPPED: "stopped", FAILED: "failed (the console says why)",
+};
+
 async function pollRun() {
+  const polled = RUN;
   let s;
-  try { s = await api(`/api/runs/${RUN}`); } catch (e) { showError("run-error", e.message); return; }
-  $("run-status").textContent = `${s.job_id}: ${s.status}`;
-  $("run-status").dataset.status = s.status;
+  try { s = await api(`/api/runs/${polled}`); } catch (e) { showError("run-error", e.message); return; }
+  if (polled !== RUN) return;  // another run was picked meanwhile
+  setRunStatus(`${s.job_id}: ${STATUS_TEXT[s.status] || s.status}`, s.status, !s.ended);
   const eta = s.remaining_s === null || s.remaining_s === undefined ? "" : `, eta ${Math.round(s.remaining_s)} s`;
-  $("progress").textContent = s.total ? `step ${s.step}/${s.total}${eta}` : "";
+  $("progress").textContent = s.total ? `step ${s.step}/${s.total}${eta}` : s.ended ? "" : "waiting for the first logged step ...";
+  $("console").dataset.placeholder = s.ended ? "the job wrote nothing to its console" : "the job's console appears here once it starts";
   $("console").textContent = s.console;
   $("console").scrollTop = $("console").scrollHeight;
   drawCharts(s.charts, s.total);
@@ -235,29 +359,87 @@ function drawCharts(charts, total) {
   }
 }
 
+// LlamaBoard's smoothing (llamafactory/extras/ploting.py): an EMA whose weight grows with the series'
+// length, so a short series stays close to its points and a long noisy one reads as a trend.
+function smooth(values) {
+  if (!values.length) return [];
+  const weight = 1.8 * (1 / (1 + Math.exp(-0.05 * values.length)) - 0.5);
+  let last = values[0];
+  return values.map((v) => (last = last * weight + (1 - weight) * v));
+}
+
+// About `count` round tick values covering [lo, hi]: steps of 1, 2 or 5 times a power of ten.
+function ticks(lo, hi, count) {
+  const raw = (hi - lo) / Math.max(1, count);
+  const power = Math.pow(10, Math.floor(Math.log10(raw)));
+  const step = [1, 2, 5, 10].map((m) => m * power).find((m) => m >= raw) || raw;
+  const out = [];
+  for (let v = Math.ceil(lo / step) * step; v <= hi + step * 1e-9; v += step) out.push(Number(v.toPrecision(12)));
+  return { values: out, step };
+}
+
+function tickText(value, step) {
+  const decimals = Math.max(0, Math.min(8, -Math.floor(Math.log10(step))));
+  return value.toFixed(decimals);
+}
+
+const MARKERS_UP_TO = 40;  // a series this short also gets a dot per point
+
+// One chart: the y axis spans the data (with a little padding), not 0..max, so a loss going from 6.96
+// to 6.94 is a slope and not a flat line; each series is drawn raw (thin, with dots when short) and
+// smoothed (bold).
 function drawSeries(svg, chart, total, empty) {
-  const W = svg.width.baseVal.value, H = svg.height.baseVal.value, pad = 36;
+  const W = svg.width.baseVal.value, H = svg.height.baseVal.value;
+  const left = 52, right = 12, top = 22, bottom = 36;
   const series = chart.series.map((s, i) => ({ ...s, color: COLORS[i % COLORS.length] }));
   const all = series.flatMap((s) => s.points);
   svg.dataset.points = series.length ? String(series[0].points.length) : "0";
   svg.dataset.series = series.map((s) => s.key).join(",");
-  if (!all.length) { svg.innerHTML = `<text x="${pad}" y="${H / 2}" fill="#8790a3">${empty}</text>`; return; }
+  if (!all.length) {
+    delete svg.dataset.ymin; delete svg.dataset.ymax;
+    svg.innerHTML = `<text class="placeholder" x="${W / 2}" y="${H / 2}" text-anchor="middle" fill="#8790a3">${escapeHtml(empty)}</text>`;
+    return;
+  }
   const xs = all.map((p) => p[0]), ys = all.map((p) => p[1]);
-  const x1 = Math.max(total || 0, ...xs, 1);
-  const y0 = Math.min(...ys, 0), y1 = Math.max(...ys) * 1.05 || 1;
-  const X = (x) => pad + x / x1 * (W - pad - 10);
-  const Y = (y) => H - pad + 10 - (y - y0) / (y1 - y0) * (H - pad - 10);
-  let out = `<line x1="${pad}" y1="${Y(y0)}" x2="${W - 10}" y2="${Y(y0)}" stroke="#aab"/>`;
-  out += `<line x1="${pad}" y1="${Y(y0)}" x2="${pad}" y2="10" stroke="#aab"/>`;
-  out += `<text x="4" y="16" font-size="10" fill="#667">${y1.toFixed(2)}</text><text x="4" y="${Y(y0)}" font-size="10" fill="#667">${y0.toFixed(2)}</text>`;
-  out += `<text x="${W - 150}" y="16" font-size="10" fill="#667" text-anchor="end">${escapeHtml(chart.title)}</text>`;
-  out += `<text x="${W - 60}" y="${H - 6}" font-size="10" fill="#667">step ${x1}</text>`;
+  const lowX = Math.min(...xs), x0 = lowX > 0 && lowX <= 1 ? 0 : Math.min(0, lowX), x1 = Math.max(total || 0, ...xs, x0 + 1);
+  let lo = Math.min(...ys), hi = Math.max(...ys);
+  const span = hi - lo || Math.max(Math.abs(hi) * 0.02, 1e-3);
+  lo -= span * 0.08; hi += span * 0.08;  // a little room above and below the data
+  const yTicks = ticks(lo, hi, 4);
+  const X = (x) => left + (x - x0) / (x1 - x0) * (W - left - right);
+  const Y = (y) => H - bottom - (y - lo) / (hi - lo) * (H - top - bottom);
+  svg.dataset.ymin = String(lo);
+  svg.dataset.ymax = String(hi);
+  let out = "";
+  for (const v of yTicks.values) {
+    out += `<line class="grid" x1="${left}" y1="${Y(v)}" x2="${W - right}" y2="${Y(v)}" stroke="#eef0f5"/>`;
+    out += `<text class="tick" x="${left - 6}" y="${Y(v) + 3}" font-size="10" fill="#667" text-anchor="end">${tickText(v, yTicks.step)}</text>`;
+  }
+  out += `<line x1="${left}" y1="${H - bottom}" x2="${W - right}" y2="${H - bottom}" stroke="#aab"/>`;
+  out += `<line x1="${left}" y1="${H - bottom}" x2="${left}" y2="${top - 8}" stroke="#aab"/>`;
+  out += `<text x="${left}" y="${H - bottom + 12}" font-size="10" fill="#667">${x0}</text>`;
+  out += `<text x="${W - right}" y="${H - bottom + 12}" font-size="10" fill="#667" text-anchor="end">step ${x1}</text>`;
+  out += `<text class="title" x="${left}" y="13" font-size="11" font-weight="600" fill="#445">${escapeHtml(chart.title)}</text>`;
   series.forEach((s, i) => {
     const points = s.points.map((p) => `${X(p[0])},${Y(p[1])}`).join(" ");
-    out += `<polyline class="series" data-key="${escapeHtml(s.key)}" data-points="${s.points.length}" fill="none" stroke="${s.color}" stroke-width="2" points="${points}"/>`;
-    if (s.points.length === 1) out += `<circle cx="${X(s.points[0][0])}" cy="${Y(s.points[0][1])}" r="3" fill="${s.color}"/>`;
-    out += `<text x="${pad + 8 + i * 130}" y="${H - 6}" font-size="11" fill="${s.color}">${escapeHtml(s.key)}</text>`;
+    const short = s.points.length <= MARKERS_UP_TO;
+    out += `<polyline class="series" data-key="${escapeHtml(s.key)}" data-points="${s.points.length}" fill="none" stroke="${s.color}" stroke-width="1.2" stroke-opacity="${s.points.length > 1 ? 0.45 : 1}" points="${points}"/>`;
+    if (s.points.length > 1) {
+      const smoothed = smooth(s.points.map((p) => p[1]));
+      const line = s.points.map((p, j) => `${X(p[0])},${Y(smoothed[j])}`).join(" ");
+      out += `<polyline class="smoothed" data-key="${escapeHtml(s.key)}" fill="none" stroke="${s.color}" stroke-width="2.2" points="${line}"/>`;
+    }
+    if (short || s.points.length === 1) {
+      for (const p of s.points) {
+        out += `<circle class="marker" data-key="${escapeHtml(s.key)}" cx="${X(p[0])}" cy="${Y(p[1])}" r="2.6" fill="${s.color}"><title>${escapeHtml(s.key)} at step ${p[0]}: ${p[1]}</title></circle>`;
+      }
+    }
+    const last = s.points[s.points.length - 1];
+    out += `<text class="legend" x="${left + 40 + i * 160}" y="${H - 5}" font-size="11" fill="${s.color}">\u25cf ${escapeHtml(s.key)}: ${Number(last[1].toPrecision(5))}</text>`;
   });
+  if (series.some((s) => s.points.length > 1)) {
+    out += `<text x="${W - right}" y="13" font-size="10" fill="#8790a3" text-anchor="end">thin: logged values, bold: smoothed (EMA)</text>`;
+  }
   svg.innerHTML = out;
 }
 
@@ -266,7 +448,8 @@ function drawSeries(svg, chart, total, empty) {
 async function runPreview() {
   showError("preview-error", "");
   $("preview").innerHTML = "";
-  $("preview-stats").textContent = "tokenizing ...";
+  $("preview-stats").innerHTML = '<span class="spinner"></span> tokenizing ...';
+  $("preview-run").disabled = true;
   try {
     const p = await api("/api/preview", { values: fieldValues(), extra_text: $("extra").value, dataset: $("preview-dataset").value });
     const capped = p.capped ? " (the first ones)" : "";
@@ -300,6 +483,12 @@ async function runPreview() {
       }
     });
   } catch (e) { $("preview-stats").textContent = ""; showError("preview-error", e.message); }
+  $("preview-run").disabled = false;
+}
+
+function emptyHistogram() {
+  const svg = $("length-hist");
+  svg.innerHTML = `<text class="placeholder" x="${svg.width.baseVal.value / 2}" y="${svg.height.baseVal.value / 2}" text-anchor="middle" fill="#8790a3">Preview a dataset: its token lengths against cutoff_len appear here</text>`;
 }
 
 // The preview's thumbnails (PNG data URLs made by the server, cluster/webui/preview.py); an image
@@ -350,33 +539,108 @@ function trainedOutput() {
   return { model: lora ? values.model_name_or_path : values.output_dir, adapter: lora ? values.output_dir : "" };
 }
 
+// The Chat tab, as `rayfactory webchat`'s page: the reply streams as server-sent events ({"text"} pieces,
+// then {"done", token counts}); Stop aborts the request, and the server cancels the reply in the engine.
 let MESSAGES = [];
+let CHATTING = null;  // the AbortController of the reply now streaming
+let CLEARED = 0;      // Clear's count: a reply stopped by Clear must not bring its history back
+
+function setChatting(controller) {
+  CHATTING = controller;
+  $("chat-send").disabled = Boolean(controller);
+  $("chat-stop").disabled = !controller;
+  $("page-chat").dataset.state = controller ? "streaming" : "idle";
+}
+
+async function readEvents(response, onEvent) {
+  const reader = response.body.getReader();
+  const decoder = new TextDecoder();
+  let buffer = "";
+  for (;;) {
+    const { value, done } = await reader.read();
+    if (done) return;
+    buffer += decoder.decode(value, { stream: true });
+    let end;
+    while ((end = buffer.indexOf("\n\n")) >= 0) {
+      const event = buffer.slice(0, end);
+      buffer = buffer.slice(end + 2);
+      for (const line of event.split("\n")) if (line.startsWith("data: ")) onEvent(JSON.parse(line.slice(6)));
+    }
+  }
+}
+
 async function sendChat() {
   const text = $("chat-input").value;
-  if (!text) return;
+  if (!text.trim() || CHATTING) return;
   showError("chat-error", "");
-  MESSAGES.push({ role: "user", content: text });
+  const messages = MESSAGES.concat([{ role: "user", content: text }]);
   $("chat-input").value = "";
-  addBubble("user", text);
-  const bubble = addBubble("assistant", "");
-  $("chat-send").disabled = true;
+  const userTurn = addBubble("user", text);
+  const bubble = addBubble("assistant pending", "");
+  const controller = new AbortController();
+  const epoch = CLEARED;
+  setChatting(controller);
+  $("chat-usage").innerHTML = '<span class="spinner"></span> loading the model and answering ...';
+  let outcome = "failed";
   try {
-    const response = await api("/api/chat", {
-      model_name_or_path: $("chat-model").value, adapter_name_or_path: $("chat-adapter").value,
-      template: $("chat-template").value, system: $("chat-system").value, messages: MESSAGES,
-      temperature: $("chat-temperature").value, max_new_tokens: $("chat-max-new-tokens").value,
-    }, true);
-    const reader = response.body.getReader();
-    const decoder = new TextDecoder();
-    for (;;) {
-      const { value, done } = await reader.read();
-      if (done) break;
-      bubble.textContent += decoder.decode(value, { stream: true });
+    const response = await fetch("/api/chat", {
+      method: "POST", signal: controller.signal,
+      headers: { "x-rayfactory-token": TOKEN, "content-type": "application/json" },
+      body: JSON.stringify({
+        model_name_or_path: $("chat-model").value, adapter_name_or_path: $("chat-adapter").value,
+        template: $("chat-template").value, system: $("chat-system").value, messages,
+        temperature: $("chat-temperature").value, top_p: $("chat-top-p").value,
+        max_new_tokens: $("chat-max-new-tokens").value,
+      }),
+    });
+    if (!response.ok) {
+      let message = `HTTP ${response.status}`;
+      try { message = (await response.json()).error || message; } catch (e) { /* not JSON */ }
+      throw new Error(message);
     }
-    bubble.dataset.done = "true";
-    MESSAGES.push({ role: "assistant", content: bubble.textContent });
-  } catch (e) { MESSAGES.pop(); bubble.remove(); showError("chat-error", e.message); }
-  $("chat-send").disabled = false;
+    await readEvents(response, (event) => {
+      if (event.text !== undefined) {
+        bubble.classList.remove("pending");
+        bubble.textContent += event.text;
+        $("chat-log").scrollTop = $("chat-log").scrollHeight;
+      } else if (event.done) {
+        outcome = "done";
+        $("chat-usage").textContent = `${event.prompt_tokens} prompt tokens, ${event.completion_tokens} reply tokens ` +
+          `(${event.finish_reason})`;
+      } else if (event.error) {
+        throw new Error(event.error);
+      }
+    });
+  } catch (e) {
+    if (e.name === "AbortError") outcome = "stopped";
+    else showError("chat-error", e.message);
+  }
+  bubble.classList.remove("pending");
+  if (CHATTING === controller) setChatting(null);
+  if (outcome !== "done") $("chat-usage").textContent = outcome === "stopped" ? "stopped" : "";
+  if (epoch !== CLEARED) return;
+  if (outcome === "failed") {  // nothing the model said: the message goes back to the box
+    userTurn.remove();
+    bubble.remove();
+    $("chat-input").value = text;
+    return;
+  }
+  if (outcome === "stopped") bubble.classList.add("stopped");
+  bubble.dataset.done = "true";
+  MESSAGES = messages.concat([{ role: "assistant", content: bubble.textContent }]);
+}
+
+function stopChat() {
+  if (CHATTING) CHATTING.abort();
+}
+
+function clearChat() {
+  CLEARED += 1;
+  stopChat();
+  MESSAGES = [];
+  $("chat-log").innerHTML = "";
+  $("chat-usage").textContent = "";
+  showError("chat-error", "");
 }
 
 function addBubble(role, text) {
@@ -384,12 +648,14 @@ function addBubble(role, text) {
   div.className = `msg ${role}`;
   div.textContent = text;
   $("chat-log").appendChild(div);
+  $("chat-log").scrollTop = $("chat-log").scrollHeight;
   return div;
 }
 
 async function runExport() {
   showError("export-error", "");
-  $("export-result").textContent = "merging ...";
+  $("export-result").innerHTML = '<span class="spinner"></span> merging ... (loads the model and its adapter)';
+  $("export-run").disabled = true;
   try {
     const answer = await api("/api/export", {
       model_name_or_path: $("export-model").value, adapter_name_or_path: $("export-adapter").value,
@@ -397,6 +663,7 @@ async function runExport() {
     });
     $("export-result").textContent = `wrote to ${answer.export_dir}:\n` + answer.files.join("\n");
   } catch (e) { $("export-result").textContent = ""; showError("export-error", e.message); }
+  $("export-run").disabled = false;
 }
 
 function escapeHtml(text) {
@@ -406,14 +673,22 @@ function escapeHtml(text) {
 // --- start ------------------------------------------------------------------------------
 
 async function main() {
+  setChecking();
   SPEC = await api("/api/spec");
   $("cluster").textContent = `runs on: ${SPEC.job_address}`;
   buildForm();
   $("extra").value = SPEC.extra_text;
   $("extra").addEventListener("input", scheduleRefresh);
-  for (const name of SPEC.models) $("model-suggestions").appendChild(new Option(name, name));
+  for (const model of SPEC.model_list || SPEC.models.map((name) => ({ name, template: "", note: "" }))) {
+    MODELS[model.name] = model;
+    const option = new Option(model.name, model.name);
+    option.label = model.template ? `${model.note} \u00b7 template ${model.template}` : model.note;
+    $("model-suggestions").appendChild(option);
+  }
   $("f-model_name_or_path").setAttribute("list", "model-suggestions");
   setValues(Object.fromEntries(SPEC.fields.map((f) => [f.key, f.default])));
+  drawCharts([{ id: "loss", title: "loss", series: [] }], 0);
+  emptyHistogram();
   await loadDatasets();
   for (const tab of document.querySelectorAll(".tab")) {
     tab.addEventListener("click", () => {
@@ -431,8 +706,11 @@ async function main() {
   if (runs.length) follow(runs[0].job_id);  // a run started before this page was opened goes on showing
   $("preview-run").addEventListener("click", runPreview);
   $("chat-send").addEventListener("click", sendChat);
-  $("chat-input").addEventListener("keydown", (e) => { if (e.key === "Enter") sendChat(); });
-  $("chat-clear").addEventListener("click", () => { MESSAGES = []; $("chat-log").innerHTML = ""; });
+  $("chat-stop").addEventListener("click", stopChat);
+  $("chat-input").addEventListener("keydown", (e) => {
+    if (e.key === "Enter" && !e.shiftKey) { e.preventDefault(); sendChat(); }  // Shift+Enter: a new line
+  });
+  $("chat-clear").addEventListener("click", clearChat);
   $("chat-use-run").addEventListener("click", () => {
     const out = trainedOutput();
     $("chat-model").value = out.model;
@@ -444,6 +722,7 @@ async function main() {
     $("export-adapter").value = out.adapter;
   });
   $("export-run").addEventListener("click", runExport);
+  setChatting(null);
   await refresh();
   document.body.dataset.ready = "true";
 }
