@@ -355,7 +355,7 @@ def parse_yaml(text: str) -> dict[str, Any]:
     """A YAML file's config dict, read by the CLI's own reader (duplicate keys refused, and so on).
     The page's YAML holds plain data only: no anchors or aliases (one alias can stand for millions of
     values) and nothing JSON cannot carry back to the page."""
-    from ..config import _load_yaml
+    from ..config_yaml import load_yaml as _load_yaml
 
     try:
         if any(isinstance(t, (yaml.AnchorToken, yaml.AliasToken)) for t in yaml.scan(text)):
