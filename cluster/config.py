@@ -40,7 +40,7 @@ from stages.inference.loading import InferenceSpec
 from stages.rl.rl_args import RLArguments
 
 from .config_types import ConfigError, bool_word, coerce_key
-from .config_yaml import load_yaml as _load_yaml, parse_override, read_source as _read_source  # noqa: F401 (old addresses)
+from .config_yaml import parse_override, read_source as _read_source  # noqa: F401 (parse_override: its old address)
 from .extras import check_extras, check_report_to
 from .lf_compat import apply_lf_compat
 from .paths import resolve_paths, unpin_run_defaults
