@@ -1,7 +1,7 @@
 """LLaMA-Factory's examples/train_lora YAMLs, their keys as they are, on a tiny: model and our data/:
 each loads, names datasets our data/ has under LLaMA-Factory's demo names, and those datasets fit
 the stage (config level, no Ray, no model). One of them trains for real in
-tests/e2e/test_llamafactory_examples.py, the kto one on Qwen3's genuine tokenizer."""
+tests/e2e/test_llamafactory_example_runs.py, the kto one on Qwen3's genuine tokenizer."""
 
 from __future__ import annotations
 
