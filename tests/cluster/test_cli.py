@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 
@@ -143,10 +144,11 @@ def test_env_reports_versions_without_starting_ray():
         assert lines[name] == metadata.version(name)
     assert lines["python"].startswith(f"{sys.version_info.major}.{sys.version_info.minor}.")
     assert lines["accelerator"] == "CPU only (no CUDA device visible to torch)" or "CUDA device" in lines["accelerator"]
-    # Without --local nothing is started: either another session's Ray is found, or we say how to get one.
-    assert lines["cluster"].startswith("connected, ") or lines["cluster"] == (
-        "no running cluster found (set RAY_ADDRESS, or pass --local to start a temporary one)"
-    )
+    # Without --local nothing is started: either another session's Ray is found, named with why that
+    # one (issue 62), or we say how to get one.
+    assert re.match(r"connected to [\w.:\[\]-]+ \((RAY_ADDRESS=|the newest Ray head|a Ray that Ray found)", lines["cluster"]) \
+        or lines["cluster"] == "no running cluster found (set RAY_ADDRESS, or pass --local to start a temporary one)", \
+        lines["cluster"]
 
 
 def test_user_errors_raised_inside_ray_tasks_are_unwrapped():
