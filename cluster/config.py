@@ -225,8 +225,8 @@ def check_dataset_names(data: DataArguments) -> None:
     if data.tokenized_path or not os.path.isfile(os.path.join(data.dataset_dir, "dataset_info.json")):
         return  # a missing file is the driver's to name, with the rest of the data checks
     for names in (data.dataset, data.eval_dataset):
-        if names:
-            get_dataset_attrs(names, data.dataset_dir)
+        if names:  # the folder as resolve_paths will name it: the message is the driver's own
+            get_dataset_attrs(names, os.path.abspath(os.path.expanduser(data.dataset_dir)))
 
 
 def key_annotation(group: str, key: str) -> Any:
