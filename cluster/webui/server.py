@@ -32,6 +32,7 @@ from .preview import SHOWN_ROWS
 from .runs import Runs
 
 STATIC_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "static")
+SHARED_STATIC_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "webchat", "static")
 
 
 def create_app(share_dir: str, token: str | None = None, job_address: str | None = None, cwd: str | None = None,
@@ -86,6 +87,10 @@ def create_app(share_dir: str, token: str | None = None, job_address: str | None
         return FileResponse(os.path.join(STATIC_DIR, "index.html"))
 
     app.mount("/static", StaticFiles(directory=STATIC_DIR), name="static")
+
+    @app.get("/shared/events.js")
+    def events_js():  # the event-stream reader webchat's page uses too: one copy
+        return FileResponse(os.path.join(SHARED_STATIC_DIR, "events.js"), media_type="text/javascript")
 
     @app.get("/api/spec")
     def spec():
