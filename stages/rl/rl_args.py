@@ -376,6 +376,13 @@ class RLArguments:
                 f"each other, so num_generations must be at least 2 (got {self.num_generations}). "
                 "Set num_generations: 4 (or more).",
             )
+        if self.dynamic_filtering and stage.name != "grpo":  # ppo's loop trains on every group
+            raise ArgumentError(
+                "dynamic_filtering",
+                "dynamic_filtering drops the prompt groups whose completions all got the same reward, which only "
+                f"stage grpo does; stage {stage.name} trains on every group, so the key would do nothing. Remove "
+                "dynamic_filtering (or set it to false), or use stage: grpo.",
+            )
         if self.dynamic_filtering and self.num_generations < 2:  # reinforce_plus_plus allows a single completion
             raise ArgumentError(
                 "dynamic_filtering",

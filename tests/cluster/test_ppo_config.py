@@ -328,6 +328,16 @@ def test_group_estimator_under_ppo_needs_a_group():
     assert load_config({**PPO, "advantage_estimator": "rloo", "num_generations": 2}).rl.num_generations == 2
 
 
+@pytest.mark.parametrize("extra", [{}, {"advantage_estimator": "rloo", "num_generations": 4}])
+def test_dynamic_filtering_is_refused_under_ppo(extra):
+    """Stage ppo's loop trains on every group: dynamic_filtering would be accepted and do nothing."""
+    assert error_of({**PPO, **extra, "dynamic_filtering": True}) == (
+        "invalid dynamic_filtering in the config dict: dynamic_filtering drops the prompt groups whose "
+        "completions all got the same reward, which only stage grpo does; stage ppo trains on every group, so "
+        "the key would do nothing. Remove dynamic_filtering (or set it to false), or use stage: grpo."
+    )
+
+
 # --- the roles a run places -------------------------------------------------------------------------
 
 
