@@ -1,8 +1,8 @@
 """GRPO (stage: grpo): the controller loop, one step top to bottom.
 
     prompts -> rollouts (num_generations per prompt) -> rewards [+ overlong penalty]
-    -> advantages (per prompt group; REINFORCE++: per token, whitened over the batch)
-    -> [dynamic filtering] -> reference log-probs -> policy update(s) -> weight sync -> log
+    -> [dynamic filtering] -> advantages (per prompt group; REINFORCE++: per token, whitened over
+    the kept batch) -> reference log-probs -> policy update(s) -> weight sync -> log
     -> [checkpoint]
 
 The roles (policy ranks, rollout engines, the reference inside the policy) come from fabric/
@@ -42,8 +42,7 @@ def run_grpo(run: RLRun) -> dict:
         timer = PhaseTimer()
         samples = progress.rollout(step, batch, timer)
         reward, values = _score(run, rewards, batch, samples, timer)
-        _set_advantages(samples, reward, rl)
-        kept = _filter(samples, reward, rl) if rl.dynamic_filtering else samples
+        kept = _filter(samples, reward, rl)
         values["pass_rate"] = len(kept) / len(samples)
         batches = 1
         # DAPO's dynamic sampling: refill with more prompt batches until rollout_batch_size groups
@@ -51,13 +50,15 @@ def run_grpo(run: RLRun) -> dict:
         while rl.dynamic_filtering and len(kept) < len(samples) and batches < rl.max_num_gen_batches:
             extra, more = progress.rollouts.refill(step, batches, timer)
             more_reward, _ = _score(run, rewards, extra, more, timer)
-            _set_advantages(more, more_reward, rl)
             kept += _filter(more, more_reward, rl)
             batches += 1
         if batches > 1:
             kept = kept[: len(samples)]
             values.update({"dynamic/gen_batches": batches, "dynamic/kept_groups": len(kept) // rl.num_generations})
         if len(kept) >= roles.policy_size:
+            # Advantages once, over the batch trained on: REINFORCE++ whitens over the whole batch, so
+            # dropped groups must not be in its statistics, nor a refill whitened on its own.
+            _set_advantages(kept, torch.tensor([s.reward for s in kept]), rl)
             values.update(_update(roles, kept, rl, sampling.temperature, timer))
         else:  # every group was uniform: nothing to learn from this batch
             values["skipped_update"] = 1
@@ -118,6 +119,12 @@ def _update(roles, samples: list[RolloutSample], rl, temperature: float, timer: 
 
 
 def _filter(samples: list[RolloutSample], reward: torch.Tensor, rl) -> list[RolloutSample]:
+    """The samples, each with its reward; under dynamic_filtering only the prompt groups whose
+    rewards differ (the others carry no signal)."""
+    for sample, r in zip(samples, reward.tolist()):
+        sample.reward = r
+    if not rl.dynamic_filtering:
+        return samples
     uniform = uniform_groups(reward, rl.num_generations)  # one flag per prompt group
     return [s for s in samples if not uniform[s.group]]
 
