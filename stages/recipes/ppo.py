@@ -11,7 +11,8 @@ follows): ppo_epochs, ppo_buffer_size, ppo_target (adaptive KL target, starting 
 ppo_score_norm, ppo_whiten_rewards. With a group estimator (advantage_estimator rloo, group_norm...)
 no critic is built: each completion's advantage comes from its score minus its KL, compared within
 its prompt's group, the same for all its tokens; with reinforce_plus_plus(_baseline) (OpenRLHF's
-REINFORCE++) the per-token rewards' returns are whitened over the batch instead.
+REINFORCE++) the per-token rewards' returns are whitened over the batch instead, and with
+reinforce_baseline (OpenRLHF's) those of the group-centred scores.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ from stages.rl.loop import RunProgress, completion_texts, count_steps, reward_co
 from stages.rl.rollouts import greedy_samples, sampling_spec
 from stages.rl.overlong import with_overlong_penalty
 from stages.rl.ppo_math import RunningMoments, gae, kl_controller, normalize_scores, token_rewards
-from stages.rl.reinforce_pp import ESTIMATORS as REINFORCE_PP, reinforce_pp_advantages
+from stages.rl.reinforce_pp import ESTIMATORS as REINFORCE_PP, reinforce_baseline_advantages, reinforce_pp_advantages
 from stages.rl.remote_reward import HTTPOptions, JudgeReward, RemoteReward, api_reward
 from stages.rl.rewards import load_reward_funcs
 from stages.rl.roles import PPORoles, PromptRow, RLRun
@@ -108,6 +109,9 @@ def _experience(roles: PPORoles, samples: list[RolloutSample], scores: torch.Ten
     elif rl.advantage_estimator in REINFORCE_PP:  # OpenRLHF's REINFORCE++: the KL-shaped token rewards, whitened
         advantages = reinforce_pp_advantages(rl.advantage_estimator, token_rewards(scores, kl_tok, mask, kl_coef),
                                              mask, rl.num_generations, rl.gamma)
+        returns = None
+    elif rl.advantage_estimator == "reinforce_baseline":  # OpenRLHF's: centred scores, then as REINFORCE++
+        advantages = reinforce_baseline_advantages(scores, kl_tok, mask, kl_coef, rl.num_generations)
         returns = None
     else:  # a group estimator on the KL-shaped sequence reward, the same advantage on every token
         advantages = compute_advantages(scores - kl_coef * seq_kl, rl.num_generations, rl.advantage_estimator,

@@ -18,7 +18,7 @@ from typing import Optional, Sequence, Union
 
 import torch
 
-ESTIMATORS = ("group_norm", "dr_grpo", "rloo", "reinforce_baseline")
+ESTIMATORS = ("group_norm", "dr_grpo", "rloo")  # reinforce_baseline: per token (stages/rl/reinforce_pp.py)
 SCALE_REWARDS = ("group", "batch", "none")
 KL_ESTIMATORS = ("k1", "k2", "k3")
 LOSS_TYPES = ("grpo", "dapo", "dr_grpo", "cispo")
@@ -69,8 +69,9 @@ def compute_advantages(
       dr_grpo). ``scale_rewards`` applies to group_norm only.
     * ``dr_grpo`` (Dr. GRPO): r - mean; no std division, which would favour easy/hard prompts.
     * ``rloo``: r - (sum - r) / (n - 1), the mean of the *other* completions (= n/(n-1) (r - mean)).
-    * ``reinforce_baseline`` (REINFORCE++ baseline, OpenRLHF): r - mean, then divided by the std of
-      those centred values over the whole batch (+ eps); their batch mean is already 0.
+
+    (OpenRLHF's ``reinforce_baseline`` whitens over the batch's tokens, not its completions:
+    ``reinforce_pp.reinforce_baseline_advantages``.)
 
     Groups whose rewards are all equal get exactly 0.
     """
@@ -94,10 +95,8 @@ def compute_advantages(
             advantages = centred
     elif estimator == "dr_grpo":
         advantages = centred
-    elif estimator == "rloo":
+    else:  # rloo
         advantages = grouped - (grouped.sum(dim=1, keepdim=True) - grouped) / (n - 1)
-    else:  # reinforce_baseline
-        advantages = centred / (centred.std() + eps)
     flat_groups = uniform_groups(grouped.flatten(), n)
     advantages = advantages.masked_fill(flat_groups.unsqueeze(1), 0.0)
     return advantages.flatten()

@@ -1,4 +1,4 @@
-"""REINFORCE++ advantages (Hu et al., arXiv 2501.03262), as verl computes them.
+"""REINFORCE++ advantages (Hu et al., arXiv 2501.03262), as verl computes them, and OpenRLHF's reinforce_baseline.
 
 Unlike the group estimators of ``algorithms.compute_advantages`` these are per token and normalised
 over the whole batch: every completion token of the step is one sample of the whitening
@@ -10,6 +10,12 @@ weighs more in the batch statistics than a short one, as in verl and OpenRLHF.
   rewards, whitened. No baseline but the batch mean, so it works with one completion per prompt.
 * ``reinforce_plus_plus_baseline``: each completion's summed reward minus its prompt group's mean
   (gamma is not used, as in verl), the same value on all its tokens, whitened.
+* ``reinforce_baseline`` (``reinforce_baseline_advantages``): OpenRLHF's, from the scores rather
+  than token rewards. Each score minus its prompt group's mean, then as REINFORCE++: on the token
+  rewards of that centred score (and the KL), the returns with gamma 1 (OpenRLHF forces it), whitened
+  over the batch with OpenRLHF's statistics (the variance divided by the token count, not count - 1;
+  1 / sqrt(max(var, 1e-8))). Without a KL in the rewards (grpo) it is reinforce_plus_plus_baseline
+  up to that variance.
 
 The per-token rewards are ``ppo_math.token_rewards``: the score on the last token, and on stage ppo
 (its KL in the reward) ``-kl_coef * KL`` on every token, OpenRLHF's REINFORCE++ shaping.
@@ -24,7 +30,7 @@ from __future__ import annotations
 import torch
 
 from .algorithms import uniform_groups
-from .ppo_math import masked_whiten
+from .ppo_math import masked_mean, masked_var, masked_whiten, token_rewards
 
 ESTIMATORS = ("reinforce_plus_plus", "reinforce_plus_plus_baseline")
 
@@ -68,3 +74,31 @@ def reinforce_pp_advantages(
         centred = centred.masked_fill(uniform_groups(scores, num_generations).unsqueeze(1), 0.0)
         values = centred.flatten()[:, None].expand_as(rewards)
     return masked_whiten(values, keep)
+
+
+@torch.no_grad()
+def reinforce_baseline_advantages(
+    scores: torch.Tensor,
+    kl: torch.Tensor,
+    mask: torch.Tensor,
+    kl_coef: float,
+    num_generations: int,
+) -> torch.Tensor:
+    """OpenRLHF's reinforce_baseline per token [B, T] (0 on padding) from each completion's score [B],
+    the per-token KL [B, T] (zeros where the KL is in the loss) and the completion ``mask`` [B, T]; rows
+    ordered group by group. A uniform group's centred scores are exactly 0 before the whitening."""
+    scores = torch.as_tensor(scores)
+    scores = scores if scores.dtype in (torch.float32, torch.float64) else scores.float()
+    if scores.dim() != 1 or num_generations < 2 or scores.numel() % num_generations:
+        raise ValueError(f"{scores.numel()} scores do not split into prompt groups of num_generations="
+                         f"{num_generations} (at least 2).")
+    if not torch.isfinite(scores).all():
+        raise ValueError("rewards contain NaN or infinity; every completion needs a finite reward.")
+    grouped = scores.view(-1, num_generations)
+    centred = (grouped - grouped.mean(dim=1, keepdim=True)).masked_fill(
+        uniform_groups(scores, num_generations).unsqueeze(1), 0.0)
+    rewards = token_rewards(centred.flatten(), torch.as_tensor(kl).to(scores.dtype), mask, kl_coef)
+    returns = rewards.flip(1).cumsum(dim=1).flip(1)  # gamma 1; masked-out tokens carry 0 reward
+    mean, var = masked_mean(returns, mask), masked_var(returns, mask, unbiased=False)
+    return torch.where(torch.as_tensor(mask).to(returns.device) > 0, (returns - mean) * var.clamp(min=1e-8).rsqrt(),
+                       0.0)

@@ -45,19 +45,13 @@ def test_rloo_uses_the_mean_of_the_other_completions():
     close(compute_advantages(torch.tensor(REWARDS), 4, "rloo"), [2 / 3, -2 / 3, -2 / 3, 2 / 3, -4 / 3, -4 / 3, -4 / 3, 4.0])
 
 
-def test_reinforce_baseline_divides_by_the_batch_std_of_centred_rewards():
-    # centred values: squares 4 * 0.25 + 3 * 1 + 9 = 13, mean 0, unbiased variance 13 / 7
-    std = math.sqrt(13 / 7)
-    close(compute_advantages(torch.tensor(REWARDS), 4, "reinforce_baseline"), [c / (std + EPS) for c in CENTRED])
-
-
 def test_odd_group_size():
     # [0, 0, 3]: mean 1, centred [-1, -1, 2], unbiased std sqrt(6 / 2)
     close(compute_advantages(torch.tensor([0.0, 0.0, 3.0]), 3, "group_norm"),
           [c / (math.sqrt(3) + EPS) for c in (-1.0, -1.0, 2.0)])
 
 
-@pytest.mark.parametrize("estimator", ["group_norm", "dr_grpo", "rloo", "reinforce_baseline"])
+@pytest.mark.parametrize("estimator", ["group_norm", "dr_grpo", "rloo"])
 @pytest.mark.parametrize("scale", ["group", "batch", "none"])
 def test_uniform_groups_get_exact_zeros(estimator, scale):
     rewards = torch.tensor([0.1, 0.1, 0.1, 0.7, 0.7, 0.7, 0.0, 1.0, 0.0])
