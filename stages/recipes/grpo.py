@@ -1,6 +1,7 @@
 """GRPO (stage: grpo): the controller loop, one step top to bottom.
 
-    prompts -> rollouts (num_generations per prompt) -> rewards [+ overlong penalty]
+    prompts -> rollouts (num_generations per prompt) -> rewards (+ a multi-turn environment's)
+    [+ overlong penalty]
     -> [dynamic filtering] -> advantages (per prompt group; REINFORCE++: per token, whitened over
     the kept batch) -> reference log-probs -> policy update(s) -> weight sync -> log
     -> [checkpoint]
@@ -13,11 +14,12 @@ the reward functions in stages/rl/rewards.py, what every RL loop shares in stage
 from __future__ import annotations
 
 import logging
+from typing import Optional
 
 import torch
 
 from stages.rl.algorithms import compute_advantages, loss_normalizer, uniform_groups
-from stages.rl.loop import RunProgress, completion_texts, count_steps, reward_columns, rollout_logprob_gap
+from stages.rl.loop import RunProgress, count_steps, reward_totals, rollout_logprob_gap
 from stages.rl.rollouts import greedy_samples, sampling_spec
 from stages.rl.overlong import with_overlong_penalty
 from stages.rl.ppo_math import token_rewards
@@ -34,7 +36,8 @@ logger = logging.getLogger(__name__)
 
 def run_grpo(run: RLRun) -> dict:
     spec, rl, roles = run.spec, run.spec.rl, run.roles
-    rewards = load_reward_funcs(rl.reward_funcs, rl.reward_weights)
+    # None: a custom environment's step rewards alone score the run (multi_turn.py)
+    rewards = load_reward_funcs(rl.reward_funcs, rl.reward_weights) if rl.reward_funcs else None
     sampling = sampling_spec(run)
     progress = RunProgress(run, count_steps(len(run.prompts), rl.rollout_batch_size, spec.training), sampling,
                            evaluate=_evaluator(run, rewards, sampling))
@@ -66,15 +69,14 @@ def run_grpo(run: RLRun) -> dict:
     return progress.finish(plot_keys=("loss", "reward", "eval_reward", "kl"))
 
 
-def _score(run: RLRun, rewards: RewardSet, batch, samples: list[RolloutSample], timer: PhaseTimer):
-    """The reward each sample is trained on (with the overlong penalty), and the step's reward
-    statistics (of the raw reward, as eval_reward is)."""
+def _score(run: RLRun, rewards: Optional[RewardSet], batch, samples: list[RolloutSample], timer: PhaseTimer):
+    """The reward each sample is trained on (the reward functions' plus a multi-turn environment's,
+    with the overlong penalty), and the step's reward statistics (of the raw reward, as eval_reward is)."""
     with timer("reward"):
-        scores = rewards.score([batch[s.group].prompt_text for s in samples], completion_texts(run.tokenizer, samples),
-                               reward_columns(batch, samples, run.tokenizer))
-    raw = torch.tensor(scores.total, dtype=torch.float32)
+        total, means = reward_totals(rewards, batch, samples, run.tokenizer)
+    raw = torch.tensor(total, dtype=torch.float32)
     reward, shaping = with_overlong_penalty(raw, samples, run.spec.rl)
-    return reward, {**_reward_stats(raw, scores, samples, run.spec.rl.num_generations), **shaping}
+    return reward, {**_reward_stats(raw, means, samples, run.spec.rl.num_generations), **shaping}
 
 
 def _set_advantages(samples: list[RolloutSample], reward: torch.Tensor, rl) -> None:
@@ -133,7 +135,7 @@ def _filter(samples: list[RolloutSample], reward: torch.Tensor, rl) -> list[Roll
     return [s for s in samples if not uniform[s.group]]
 
 
-def _reward_stats(reward: torch.Tensor, scores, samples: list[RolloutSample], n: int) -> dict:
+def _reward_stats(reward: torch.Tensor, means: dict, samples: list[RolloutSample], n: int) -> dict:
     lengths = torch.tensor([len(s.completion_ids) for s in samples], dtype=torch.float32)
     stats = {
         "reward": reward.mean().item(),
@@ -142,20 +144,19 @@ def _reward_stats(reward: torch.Tensor, scores, samples: list[RolloutSample], n:
         "completion_length": lengths.mean().item(),
         "truncated_ratio": sum(s.truncated for s in samples) / len(samples),
     }
-    stats.update({f"rewards/{name}": mean for name, mean in scores.means().items()})
+    stats.update(means)
     return stats
 
 
-def _evaluator(run: RLRun, rewards: RewardSet, sampling: SamplingSpec):
-    """Greedy completions of the eval prompts, scored by the same reward functions."""
+def _evaluator(run: RLRun, rewards: Optional[RewardSet], sampling: SamplingSpec):
+    """Greedy completions (or episodes) of the eval prompts, scored as the training ones."""
     def evaluate() -> dict:
         if not run.eval_prompts:
             return {}
         samples = greedy_samples(run, sampling.max_tokens, sampling.stop_token_ids)
-        scores = rewards.score([p.prompt_text for p in run.eval_prompts], completion_texts(run.tokenizer, samples),
-                               reward_columns(run.eval_prompts, samples, run.tokenizer))
-        out = {"eval_reward": sum(scores.total) / len(scores.total)}
-        out.update({f"eval_rewards/{name}": mean for name, mean in scores.means().items()})
+        total, means = reward_totals(rewards, run.eval_prompts, samples, run.tokenizer)
+        out = {"eval_reward": sum(total) / len(total)}
+        out.update({f"eval_{key}": mean for key, mean in means.items()})
         return out
 
     return evaluate

@@ -24,7 +24,8 @@ import random
 import torch
 
 from stages.rl.algorithms import compute_advantages, kl_penalty, loss_normalizer
-from stages.rl.loop import RunProgress, completion_texts, count_steps, reward_columns, rollout_logprob_gap, split_evenly
+from stages.rl.loop import (RunProgress, completion_texts, count_steps, reward_totals, rollout_logprob_gap,
+                            split_evenly)
 from stages.rl.rollouts import greedy_samples, sampling_spec
 from stages.rl.overlong import with_overlong_penalty
 from stages.rl.ppo_math import RunningMoments, gae, kl_controller, normalize_scores, token_rewards
@@ -160,7 +161,7 @@ def _masked_mean(x: torch.Tensor, mask: torch.Tensor) -> float:
 
 class Scorer:
     """A completion's score: the reward model's (reward_model) plus the weighted reward functions'
-    (reward_funcs), either or both. Also scores greedy completions of the eval prompts. With
+    (reward_funcs), either or both, plus a multi-turn environment's step rewards. Also scores greedy completions of the eval prompts. With
     reward_model_type api the reward model is a server (or LLM judge) at the URL reward_model,
     called from here, the controller (stages/rl/remote_reward.py); no reward actors exist."""
 
@@ -203,12 +204,9 @@ class Scorer:
             model_scores = self.run.roles.reward_scores(samples)
             total = [a + b for a, b in zip(total, model_scores)]
             stats["rewards/reward_model"] = sum(model_scores) / len(model_scores)
-        if self.rules is not None:
-            scores = self.rules.score([batch[s.group].prompt_text for s in samples],
-                                      completion_texts(self.run.tokenizer, samples),
-                                      reward_columns(batch, samples, self.run.tokenizer))
-            total = [a + b for a, b in zip(total, scores.total)]
-            stats.update({f"rewards/{name}": mean for name, mean in scores.means().items()})
+        rules, means = reward_totals(self.rules, batch, samples, self.run.tokenizer)  # + a multi-turn environment's
+        total = [a + b for a, b in zip(total, rules)]
+        stats.update(means)
         reward = torch.tensor(total)
         lengths = torch.tensor([float(len(s.completion_ids)) for s in samples])
         stats.update(reward=reward.mean().item(), reward_std=reward.std().item() if len(total) > 1 else 0.0,

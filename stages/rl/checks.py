@@ -19,7 +19,7 @@ class RLConfigError(UserError):
 def check_ppo(run, where: Callable[[str], str]) -> None:
     """Stage ppo's scorers (reward model and/or reward functions), critic and mini-batches."""
     tuning, rl = run.finetuning, run.rl
-    if not tuning.reward_model and not rl.reward_funcs:
+    if not tuning.reward_model and not rl.reward_funcs and rl.environment in (None, "tools"):  # tools: no rewards
         raise RLConfigError(
             f"stage ppo in {where('stage')} needs something to score completions: reward_model (the output_dir of a "
             "stage rm run) or reward_funcs (e.g. [exact_match] or [my_rewards:score]), or both."

@@ -12,8 +12,10 @@ One instance runs one episode (a trajectory); the rollout loop makes one per tra
 ``reset`` returns the first prompt: a string (one user turn) or a list of ``{role, content}``
 messages. ``step`` gets the policy's reply text (with any tool-call markup); its ``observation`` is
 the text of the next turn (an ``observation`` turn in the template, for tool results) or None when
-done; ``reward`` is added to the trajectory's reward (reward functions still score the final
-answer; an environment may give 0 and leave scoring to them). ``tools`` are rendered into the
+done; ``reward`` is added to the trajectory's reward: the episode's step rewards, summed, join the
+reward functions' total (logged as ``rewards/environment``; the functions get the sum as the
+column ``environment_reward``). An environment may give 0 and leave scoring to the reward
+functions, or be the only scorer (no reward_funcs). ``tools`` are rendered into the
 system prompt by the template. The loop stops at ``max_turns`` or its token budget whatever
 ``done`` says.
 

@@ -13,8 +13,9 @@ then straddle a weight push (each token keeps the log-prob it was sampled with, 
 rollout correction reads), and the batch is stamped with the version it started from.
 
 Reward functions score the final answer: ``completions`` holds each trajectory's last policy turn,
-and the columns ``trajectory`` (the whole completion as text, observations included), ``turns``
-and ``tool_calls`` describe the episode.
+and the columns ``trajectory`` (the whole completion as text, observations included), ``turns``,
+``tool_calls`` and ``environment_reward`` describe the episode. The environment's step rewards,
+summed, are added to the functions' total (stages/rl/loop.py, ``reward_totals``).
 """
 
 from __future__ import annotations

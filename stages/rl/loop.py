@@ -14,11 +14,12 @@ import logging
 import math
 import random
 import time
-from typing import Callable, Iterator, TypeVar
+from typing import Callable, Iterator, Optional, TypeVar
 
 from stages.training.callbacks import truncate_log
 from stages.training.checkpoints import commit_checkpoint, staging_folder, uncommit_after
 from . import checkpoint as ckpt
+from .rewards import RewardSet
 from .roles import PromptRow, RLRun
 from .rollouts import RolloutSource
 from .steplog import PhaseTimer, StepLog, write_results
@@ -192,11 +193,28 @@ def completion_texts(tokenizer, samples: list[RolloutSample]) -> list[str]:
     return [tokenizer.decode(s.completion_ids[s.answer_start:], skip_special_tokens=True) for s in samples]
 
 
+def reward_totals(rewards: Optional[RewardSet], batch: list[PromptRow], samples: list[RolloutSample],
+                  tokenizer) -> tuple[list[float], dict]:
+    """Each sample's reward: the weighted reward functions' total (0 without any) plus the summed
+    step rewards of its environment (0 for a single-turn completion), and what to log: each
+    function's mean (``rewards/<function>``) and, for multi-turn samples, ``rewards/environment``."""
+    total, stats = [0.0] * len(samples), {}
+    if rewards is not None:
+        scores = rewards.score([batch[s.group].prompt_text for s in samples], completion_texts(tokenizer, samples),
+                               reward_columns(batch, samples, tokenizer))
+        total, stats = scores.total, {f"rewards/{name}": mean for name, mean in scores.means().items()}
+    if any(s.loss_mask or s.environment_reward for s in samples):
+        total = [t + s.environment_reward for t, s in zip(total, samples)]
+        stats["rewards/environment"] = sum(s.environment_reward for s in samples) / len(samples)
+    return total, stats
+
+
 def reward_columns(batch: list[PromptRow], samples: list[RolloutSample], tokenizer=None) -> dict[str, list]:
     """What reward functions get besides prompts and completions, one entry per completion: every
     extra dataset column (None where a row lacks it), then ``reference`` and ``completion_ids``
     (which win over columns of those names), and for multi-turn samples ``trajectory`` (the whole
-    completion as text; needs ``tokenizer``), ``turns`` and ``tool_calls``."""
+    completion as text; needs ``tokenizer``), ``turns``, ``tool_calls`` and ``environment_reward``
+    (the environment's summed step rewards, which the trajectory's reward includes as well)."""
     names = dict.fromkeys(name for row in batch for name in row.columns)
     columns: dict[str, list] = {name: [batch[s.group].columns.get(name) for s in samples] for name in names}
     columns["reference"] = [batch[s.group].reference for s in samples]
@@ -205,6 +223,7 @@ def reward_columns(batch: list[PromptRow], samples: list[RolloutSample], tokeniz
         columns["trajectory"] = [tokenizer.decode(s.completion_ids, skip_special_tokens=True) for s in samples]
         columns["turns"] = [s.turns for s in samples]
         columns["tool_calls"] = [s.tool_calls for s in samples]
+        columns["environment_reward"] = [s.environment_reward for s in samples]
     return columns
 
 

@@ -101,7 +101,7 @@ def multi_turn_rollout(
 ) -> list[RolloutSample]:
     """``sampling.n`` trajectories per row, grouped by row in row order (what the advantage
     estimators read), each a RolloutSample with ``loss_mask``, ``turns``, ``tool_calls`` and the
-    environment's summed reward.
+    environment's summed step rewards (``environment_reward``).
 
     ``rows``: the environment's rows (``{"prompt", "reference", **extra columns}``); a row's
     ``system`` text, when it has one, replaces ``system``.
@@ -188,9 +188,9 @@ def _take_turn(t: _Trajectory, c: Completion, budget: int, max_turns: int, templ
 
 
 def _sample(t: _Trajectory) -> RolloutSample:
-    return RolloutSample(t.prompt_ids, t.ids, group=t.group, reward=t.reward, rollout_logprobs=t.logprobs,
+    return RolloutSample(t.prompt_ids, t.ids, group=t.group, rollout_logprobs=t.logprobs,
                          truncated=t.truncated, loss_mask=t.mask, turns=t.turns, tool_calls=t.tool_calls,
-                         answer_start=t.answer_start)
+                         answer_start=t.answer_start, environment_reward=t.reward)
 
 
 def rollout_stats(samples: Sequence[RolloutSample]) -> dict[str, float]:

@@ -401,11 +401,13 @@ class RLArguments:
             logger.warning("importance_sampling_level sequence with loss_type %s sums per-token terms, so each "
                            "completion weighs by its length; GSPO's own setup is loss_type grpo (as TRL warns).",
                            self.loss_type)
-        if not stage.rl.reward_model and not self.reward_funcs:  # reward functions are its only scorer
+        # reward functions are its only scorer, but a custom environment's step rewards (built-in tools: none)
+        if not stage.rl.reward_model and not self.reward_funcs and self.environment in (None, "tools"):
             raise ArgumentError(
                 "reward_funcs",
                 f"stage {stage.name} needs reward_funcs: a list of reward functions, e.g. reward_funcs: "
-                "[exact_match] or [my_rewards:score] (a module on the Python path and a function in it).",
+                "[exact_match] or [my_rewards:score] (a module on the Python path and a function in it); "
+                "or a custom environment (environment: module.path:Class) whose step() rewards score alone.",
             )
 
     @property

@@ -35,3 +35,4 @@ class RolloutSample:
     turns: int = 1  # policy turns in the trajectory
     tool_calls: int = 0  # environment steps that returned an observation (tool results)
     answer_start: int = 0  # where the last policy turn begins in completion_ids (what rewards score)
+    environment_reward: float = 0.0  # the environment's step rewards, summed (added to the reward functions')

@@ -108,7 +108,7 @@ def test_trajectories_are_the_sampled_ids_plus_the_templates_observation_ids(tin
     finished = [s for s in samples if not s.truncated]
     assert finished, "no trajectory finished: the stop tokens should end turns quickly"
     for s in finished:
-        assert s.turns == 3 and s.tool_calls == 2 and s.reward == 3.0
+        assert s.turns == 3 and s.tool_calls == 2 and s.environment_reward == 3.0
     assert rollout_stats(samples)["rollout/turns"] == sum(s.turns for s in samples) / 4
 
 
