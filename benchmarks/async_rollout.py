@@ -7,8 +7,9 @@ of the engine's generation overlapped the policy's work, and the reward curve ov
 
 Each run is configs/<config> (default grpo_full.yaml: the tiny Qwen2-style model, full fine-tuning,
 one policy worker {CPU: 1}, one vLLM engine {CPU: 1}, 8 prompts x 8 completions of at most 8
-tokens, the digit_ratio reward it learns) through ``run_exp`` on a local Ray of its own, eval off,
-with ``async_rollout`` set by the mode:
+tokens, the digit_ratio reward it learns), sampled untruncated (top_k 0, top_p 1: rollout correction
+reads the engines' raw log-probs), through ``run_exp`` on a local Ray of its own, eval off, with
+``async_rollout`` set by the mode:
 
     off              the synchronous loop
     one_step         the next batch generated while the policy trains (correction on by default:
@@ -21,7 +22,7 @@ with ``async_rollout`` set by the mode:
     one_step_partial, bounded2_partial
                      the same with partial_rollout: a push is loaded between two decoding steps of
                      the batch in flight (not run by default; give the completions room, e.g.
-                     --set max_completion_length=64 --set top_k=0, or every batch ends first)
+                     --set max_completion_length=64, or every batch ends first)
 
 Per mode, over the seeds: steps/s and completion tokens/s over the steady steps (step 1, which
 starts the engine's cache and the pipeline, left out), the mean seconds per step of each phase
@@ -74,6 +75,7 @@ def run_config(config_name: str, mode: str, seed: int, steps: int, out_dir: str,
     with open(os.path.join(REPO_ROOT, "configs", config_name), encoding="utf-8") as f:
         config = yaml.safe_load(f)
     config.pop("num_train_epochs", None)
+    config.update(top_k=0, top_p=1.0)  # the correction reads raw log-probs: the sampling must not cut (rl_checks.py)
     config.update(output_dir=out_dir, ray_storage_path=os.path.join(out_dir, "ray"), max_steps=steps,
                   dataset_dir=os.path.join(REPO_ROOT, "data"), logging_steps=1, eval_dataset=None, plot_loss=False,
                   save_strategy="no", seed=seed, **MODES[mode], **overrides)

@@ -93,6 +93,7 @@ def check_rl(run, where: Callable[[str], str], local: bool = True, run_modules: 
             "mismatch and the weights would be wrong. Use temperature: 1.0, or vllm_importance_sampling_correction: "
             "false."
         )
+    _check_truncated_sampling(run, where)
     if run.rl.rollout_lora_sync == "adapter":
         _check_adapter_sync(run, where)
     if run.rl.rollout_weight_sync == "collective":
@@ -116,6 +117,29 @@ def check_rl(run, where: Callable[[str], str], local: bool = True, run_modules: 
             f"(each needs at least one). Raise rollout_batch_size (in {where('rollout_batch_size')}) or lower "
             "ray_num_workers."
         )
+
+
+def _check_truncated_sampling(run, where: Callable[[str], str]) -> None:
+    """Rollout correction reads the engines' raw log-probs (of the whole distribution at temperature
+    1), so top_k / top_p, which sample from a cut distribution, would make its weights wrong."""
+    rl, generating = run.rl, run.generating
+    cut = "top_k" if generating.top_k > 0 else "top_p" if generating.top_p < 1.0 else None
+    if not rl.vllm_importance_sampling_correction or cut is None:
+        return
+    given = f"{cut} {getattr(generating, cut)} (in {where(cut)})"
+    why = ("the engines report raw log-probs, of the whole distribution, while top_k / top_p sample from a cut and "
+           "renormalised one, so the trainer / sampler ratio is not the sampling mismatch")
+    fix = "Set top_k: 0 and top_p: 1.0, or vllm_importance_sampling_correction: false"
+    if rl.correction_by_default:
+        raise ConfigError(
+            f"async_rollout {rl.async_rollout} in {where('async_rollout')} turns rollout correction on by default "
+            f"(importance weights for samples drawn from older weights), but with {given} its weights would be "
+            f"wrong: {why}. {fix} to train on stale samples uncorrected."
+        )
+    raise ConfigError(
+        f"vllm_importance_sampling_correction in {where('vllm_importance_sampling_correction')} with {given}: "
+        f"{why} and the importance weights would be wrong. {fix}."
+    )
 
 
 def _check_environment(run, where: Callable[[str], str], run_modules: bool) -> None:

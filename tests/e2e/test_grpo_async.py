@@ -25,7 +25,7 @@ def test_one_step_async_grpo_learns_from_stale_samples_with_correction(ray_sessi
     in the policy loss (stages/rl/algorithms.py), so weights computed and logged but never passed
     to the loss (or never multiplied in) leave it absent or 0, and this test fails."""
     config = example_config("grpo_full.yaml", tmp_path, max_steps=30, logging_steps=1, eval_dataset=None,
-                            reward_funcs=["digit_ratio"], reward_weights=None, async_rollout="one_step")
+                            reward_funcs=["digit_ratio"], reward_weights=None, async_rollout="one_step", top_k=0)
     result = run_exp(config)
 
     steps = _steps(result.output_dir)
@@ -56,7 +56,7 @@ def test_killed_bounded_async_run_resumes_with_auto_and_logs_every_step_once(ray
         return example_config("grpo_lora.yaml", tmp_path, output_dir=str(out), max_steps=5, save_steps=2,
                               logging_steps=1, eval_dataset=None, max_samples=24,
                               reward_funcs=["tests.e2e.test_rl_resume:stalling_digit_ratio"], reward_weights=None,
-                              async_rollout="bounded", max_staleness=2, **overrides)
+                              async_rollout="bounded", max_staleness=2, top_k=0, **overrides)
 
     kill_run_at_its_stall(ray_session, config(), 3, tmp_path)
     killed = _steps(out)
@@ -78,7 +78,7 @@ def test_ppo_trains_its_policy_and_critic_on_one_step_old_samples(ray_session, t
     from tests.e2e.test_rl_resume import ppo_config
 
     config = ppo_config(tmp_path / "out", rollout_backend="vllm", model_name_or_path="tiny:qwen2,num_heads=2",
-                        reward_funcs=["digit_ratio"], async_rollout="one_step", temperature=1.0, max_steps=5,
+                        reward_funcs=["digit_ratio"], async_rollout="one_step", temperature=1.0, top_k=0, max_steps=5,
                         rollout_num_engines=1, rollout_resources={"CPU": 1})
     result = run_exp(config)
 

@@ -84,7 +84,7 @@ def test_async_grpo_learns_through_two_turn_episodes_with_masked_observations(ra
     while the policy trains; two policy turns per trajectory with the observation between them,
     the final turn's digit reward rises."""
     config = example_config("grpo_full.yaml", tmp_path, max_steps=30, logging_steps=1, eval_dataset=None,
-                            async_rollout="one_step", **multi_turn(tmp_path))
+                            async_rollout="one_step", top_k=0, **multi_turn(tmp_path))
     result = run_exp(config)
 
     steps = _steps(result.output_dir)

@@ -173,6 +173,32 @@ def test_bad_values_are_refused(in_tmp, bad, message):
     assert message in str(info.value)
 
 
+@pytest.mark.parametrize("cut, key", [({"top_k": 50}, "top_k 50"), ({"top_p": 0.9}, "top_p 0.9"),
+                                      ({"top_k": 20, "top_p": 0.8}, "top_k 20")])
+def test_truncated_sampling_is_refused_where_the_correction_is_on(in_tmp, cut, key):
+    """The engines report raw log-probs, of the whole distribution; top_k / top_p sample from a cut,
+    renormalised one, so the importance weights would be wrong: refused as temperature != 1 is."""
+    with pytest.raises(ConfigError) as info:
+        load_config({**GRPO, **cut, "vllm_importance_sampling_correction": True})
+    assert str(info.value) == (
+        f"vllm_importance_sampling_correction in the config dict with {key} (in the config dict): the engines "
+        "report raw log-probs, of the whole distribution, while top_k / top_p sample from a cut and renormalised "
+        "one, so the trainer / sampler ratio is not the sampling mismatch and the importance weights would be "
+        "wrong. Set top_k: 0 and top_p: 1.0, or vllm_importance_sampling_correction: false.")
+    with pytest.raises(ConfigError) as info:  # asynchronous rollouts turn it on by default
+        load_config({**GRPO, **cut, "async_rollout": "one_step"})
+    assert str(info.value).startswith(
+        f"async_rollout one_step in the config dict turns rollout correction on by default (importance weights for "
+        f"samples drawn from older weights), but with {key} (in the config dict) its weights would be wrong: ")
+    assert str(info.value).endswith("Set top_k: 0 and top_p: 1.0, or vllm_importance_sampling_correction: false to "
+                                    "train on stale samples uncorrected.")
+    # the defaults (no cut), and a cut without the correction, stay valid
+    assert load_config({**GRPO, "async_rollout": "one_step"}).generating.top_k == 0
+    assert load_config({**GRPO, **cut, "async_rollout": "one_step",
+                        "vllm_importance_sampling_correction": False}).rl.async_rollout == "one_step"
+    assert load_config({**GRPO, **cut}).rl.vllm_importance_sampling_correction is False
+
+
 # --- the real policy update ------------------------------------------------------------------------
 
 
