@@ -161,9 +161,10 @@ def _masked_mean(x: torch.Tensor, mask: torch.Tensor) -> float:
 
 class Scorer:
     """A completion's score: the reward model's (reward_model) plus the weighted reward functions'
-    (reward_funcs), either or both, plus a multi-turn environment's step rewards. Also scores greedy completions of the eval prompts. With
-    reward_model_type api the reward model is a server (or LLM judge) at the URL reward_model,
-    called from here, the controller (stages/rl/remote_reward.py); no reward actors exist."""
+    (reward_funcs), either or both, plus a multi-turn environment's step rewards. Also scores
+    greedy completions of the eval prompts. With reward_model_type api the reward model is a server
+    (or LLM judge) at the URL reward_model, called from here, the controller
+    (stages/rl/remote_reward.py); no reward actors exist."""
 
     def __init__(self, run: RLRun):
         self.run = run
