@@ -36,6 +36,7 @@ UNSUPPORTED_KEYS = (
 )
 # image_max_pixels / image_min_pixels are data arguments here; freeze_vision_tower,
 # freeze_multi_modal_projector, freeze_language_model and train_mm_proj_only fine-tuning ones.
+# The video and audio settings below are accepted and ignored with a note (no video or audio is read).
 MULTIMODAL_KEYS = (
     "video_max_pixels", "video_min_pixels", "video_fps", "video_maxlen", "use_audio_in_video", "audio_sampling_rate",
 )
@@ -55,11 +56,12 @@ def apply_lf_compat(values: dict[str, Any], origin: dict[str, str]) -> list[str]
                 f"support (yet). Remove {key} from the config."
             )
         elif key in MULTIMODAL_KEYS:
-            raise ConfigError(
-                f"{key!r} in {origin[key]} is a LLaMA-Factory option for video or audio models; RayFactory trains "
-                "text models and vision-language models on images (image_max_pixels, image_min_pixels), not on "
-                "video or audio yet. Remove it."
-            )
+            # Inert here: a dataset with a videos or audios column is refused when its
+            # dataset_info.json entry is read (registries/datasets/info.py), so no video or audio
+            # reaches a run these settings could shape. LLaMA-Factory's qwen2vl example sets one.
+            values.pop(key)
+            notes.append(f"ignored {key!r} from {origin[key]}: RayFactory reads images, not video or audio "
+                         "(a dataset with a videos or audios column is refused).")
 
     def move(old: str, old_value: Any, new: str, value: Any, meaning: str = "") -> None:
         if new in values:

@@ -362,13 +362,16 @@ def test_unsupported_llamafactory_feature():
     )
 
 
-def test_video_options_are_refused_freeze_options_are_finetuning_keys_and_the_image_budget_is_a_data_key():
-    assert error_of(write("model_name_or_path: m\noutput_dir: o\nvideo_max_pixels: 16384\n")) == (
-        "'video_max_pixels' in cfg.yaml is a LLaMA-Factory option for video or audio models; RayFactory trains "
-        "text models and vision-language models on images (image_max_pixels, image_min_pixels), not on "
-        "video or audio yet. Remove it."
-    )
-    assert "audio_sampling_rate" in error_of(write("model_name_or_path: m\noutput_dir: o\naudio_sampling_rate: 16000\n"))
+def test_video_options_are_ignored_with_a_note_freeze_options_are_finetuning_keys_and_the_image_budget_is_a_data_key():
+    # LLaMA-Factory's qwen2vl example sets video_max_pixels on image data: it loads, the key noted and
+    # dropped (a dataset with a videos column is refused where its entry is read).
+    loaded = load_config({**BASE, "video_max_pixels": 16384, "audio_sampling_rate": 16000})
+    assert loaded.notes == [
+        "ignored 'video_max_pixels' from the config dict: RayFactory reads images, not video or audio "
+        "(a dataset with a videos or audios column is refused).",
+        "ignored 'audio_sampling_rate' from the config dict: RayFactory reads images, not video or audio "
+        "(a dataset with a videos or audios column is refused).",
+    ]
     # LLaMA-Factory's defaults: the vision tower and the projector frozen, the language model trained.
     tuning = load_config(BASE).finetuning
     assert (tuning.freeze_vision_tower, tuning.freeze_multi_modal_projector, tuning.freeze_language_model,
