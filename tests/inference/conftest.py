@@ -5,6 +5,7 @@ random non-zero weights, saved the way a finetuning_type: lora run saves its out
 from __future__ import annotations
 
 import os
+import socket
 
 import pytest
 import yaml
@@ -52,6 +53,39 @@ def _random_adapter(seed: int, rank: int):
             if "lora_B" in name:
                 param.mul_(20.0)
     return model
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="session")
+def serve_http(ray_session):
+    """One Ray Serve HTTP proxy on 127.0.0.1 for every serve test of the run (starting and shutting
+    down Serve costs seconds each time): a module runs its apps on it with ``serve_apps`` and deletes
+    them when it is done, so the next module finds the routes free."""
+    from ray import serve
+
+    port = free_port()
+    serve.start(http_options={"host": "127.0.0.1", "port": port})
+    yield f"http://127.0.0.1:{port}"
+    serve.shutdown()
+
+
+def serve_apps(serve_http: str, apps: dict):
+    """Run ``apps`` ({name: (application, route_prefix)}) on the shared proxy; yield its URL, then
+    delete them. For a module fixture: ``yield from serve_apps(serve_http, {...})``."""
+    from ray import serve
+
+    try:
+        for name, (app, route_prefix) in apps.items():
+            serve.run(app, name=name, route_prefix=route_prefix)
+        yield serve_http
+    finally:
+        for name in apps:
+            serve.delete(name)
 
 
 @pytest.fixture(scope="session")

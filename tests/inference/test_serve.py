@@ -6,14 +6,13 @@ from __future__ import annotations
 
 import asyncio
 import json
-import socket
 import time
 
 import httpx
 import pytest
 import yaml
 
-from .conftest import BASE, PROMPTS, TOOL_CALL, TOOL_QUESTION, WEATHER_TOOLS, make_tool_caller_output
+from .conftest import BASE, PROMPTS, TOOL_CALL, TOOL_QUESTION, WEATHER_TOOLS, make_tool_caller_output, serve_apps
 
 API_KEY = "sk-test-key"
 MAX_NEW = 12
@@ -25,12 +24,6 @@ CONCURRENT_TOKENS = 8  # enough for each adapter to answer each prompt different
 # PROMPTS[0] and [1]). Measured: 8 together take ~1.1 s, one at a time ~3.2 s.
 OVERLAP_REQUESTS, OVERLAP_TOKENS = 8, 48
 OVERLAP_CASES = [("poet", 0), ("poet", 1), ("poet", 2), ("math", 2)]
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")
@@ -65,19 +58,12 @@ def reward_output(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def server(ray_session, config, reward_output):
-    from ray import serve
-
+def server(serve_http, config, reward_output):
     from cluster.serve.app import build_app
 
-    port = _free_port()
-    serve.start(http_options={"host": "127.0.0.1", "port": port})
-    serve.run(build_app(config), name="rayfactory-test", route_prefix="/")
     # A reward model (stage rm output) as a second app, for /v1/score.
-    serve.run(build_app({**config, "adapter_name_or_path": reward_output, "lora_modules": None, "api_key": None}),
-              name="rayfactory-rm", route_prefix="/rm")
-    yield f"http://127.0.0.1:{port}"
-    serve.shutdown()
+    rm = build_app({**config, "adapter_name_or_path": reward_output, "lora_modules": None, "api_key": None})
+    yield from serve_apps(serve_http, {"rayfactory-test": (build_app(config), "/"), "rayfactory-rm": (rm, "/rm")})
 
 
 @pytest.fixture(scope="module")

@@ -18,7 +18,7 @@ import time
 import httpx
 import pytest
 
-from .conftest import BASE
+from .conftest import BASE, free_port, serve_apps
 
 pytestmark = pytest.mark.ray
 
@@ -44,21 +44,14 @@ LONG = {"model": "tiny", "messages": HELLO, "max_tokens": 1900, "n": 4, "tempera
 
 
 @pytest.fixture(scope="module")
-def server(ray_session, config):
-    from ray import serve
-
+def server(serve_http, config):
     from cluster.serve.app import build_app
 
-    from .test_serve import _free_port
-
-    port = _free_port()
-    serve.start(http_options={"host": "127.0.0.1", "port": port})
-    serve.run(build_app(config), name="rayfactory-hardening", route_prefix="/")
-    serve.run(build_app({**config, "api_key": None, "vllm_maxlen": 2048, "serve_request_timeout_s": OPEN_BUDGET_S,
+    keyless = build_app({**config, "api_key": None, "vllm_maxlen": 2048, "serve_request_timeout_s": OPEN_BUDGET_S,
                          "serve_turn_s": TURN_S, "serve_max_waiting": MAX_WAITING,
-                         "serve_allow_hosts": [ALLOWED_HOST]}, api_key=""), name="rayfactory-open", route_prefix="/open")
-    yield f"http://127.0.0.1:{port}"
-    serve.shutdown()
+                         "serve_allow_hosts": [ALLOWED_HOST]}, api_key="")
+    yield from serve_apps(serve_http, {"rayfactory-hardening": (build_app(config), "/"),
+                                       "rayfactory-open": (keyless, "/open")})
 
 
 def _post(server: str, body, headers=None, path="/v1/chat/completions") -> httpx.Response:
@@ -343,11 +336,9 @@ def _serve_command(tmp_path, config, *extra: str, env_key: str | None = None):
 
     import yaml
 
-    from .test_serve import _free_port
-
     cfg = tmp_path / "serve.yaml"
     cfg.write_text(yaml.safe_dump({k: v for k, v in config.items() if k != "api_key"}))
-    port = _free_port()
+    port = free_port()
     env = {k: v for k, v in os.environ.items() if not k.startswith(("RAY_", "API_"))}
     if env_key:
         env["API_KEY"] = env_key

@@ -10,7 +10,6 @@ import base64
 import io
 import json
 import os
-import socket
 import struct
 import subprocess
 import zlib
@@ -19,6 +18,8 @@ from pathlib import Path
 import httpx
 import pytest
 import yaml
+
+from .conftest import serve_apps
 
 REPO = Path(__file__).resolve().parents[2]
 SHAPES = REPO / "data" / "shapes"
@@ -185,27 +186,14 @@ MAX_IMAGE_BYTES = 40_000
 MAX_IMAGES = 2
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
-def server(ray_session):
-    from ray import serve
-
+def server(serve_http):
     from cluster.serve.app import build_app
 
-    port = _free_port()
-    serve.start(http_options={"host": "127.0.0.1", "port": port})
-    serve.run(build_app({**VL, "served_model_name": "vl", "serve_max_images": MAX_IMAGES,
-                         "serve_max_image_bytes": MAX_IMAGE_BYTES}),
-              name="rayfactory-vl", route_prefix="/")
-    serve.run(build_app({"model_name_or_path": "tiny:qwen2,num_heads=2", "template": "qwen", "max_new_tokens": 2}),
-              name="rayfactory-text", route_prefix="/text")
-    yield f"http://127.0.0.1:{port}"
-    serve.shutdown()
+    vl = build_app({**VL, "served_model_name": "vl", "serve_max_images": MAX_IMAGES,
+                    "serve_max_image_bytes": MAX_IMAGE_BYTES})
+    text = build_app({"model_name_or_path": "tiny:qwen2,num_heads=2", "template": "qwen", "max_new_tokens": 2})
+    yield from serve_apps(serve_http, {"rayfactory-vl": (vl, "/"), "rayfactory-text": (text, "/text")})
 
 
 def _image_message(*urls: str, text: str = QUESTION) -> list[dict]:
