@@ -10,30 +10,33 @@ engine's calls are queued in the order sent, the push is not waited for, and the
 
 from __future__ import annotations
 
+import pytest
+
 from cluster.driver import run_exp
 from tests.e2e.conftest import example_config, kill_run_at_its_stall
 from tests.e2e.test_grpo import _rewards, _rises
 from tests.e2e.test_rl_resume import _steps
 
-def test_one_step_async_grpo_learns_from_stale_samples_with_correction(ray_session, tmp_path):
-    """configs/grpo_full.yaml with async_rollout one_step: every batch after the first was sampled
-    with weights one update old (the sampler's log-probs visibly differ from the policy's, where
-    the synchronous loop's agree to 1e-4), the engine generated it while the policy trained, the
-    importance weights were applied, and the format reward still rises.
+
+def _one_step_run(tmp_path, max_steps: int) -> tuple[str, dict]:
+    """configs/grpo_full.yaml with async_rollout one_step for ``max_steps``: every batch after the
+    first was sampled with weights one update old (the sampler's log-probs visibly differ from the
+    policy's, where the synchronous loop's agree to 1e-4), the engine generated it while the policy
+    trained, and the importance weights were applied.
 
     "Applied" is read in the update itself: ``rollout_is_loss_change`` is what the weights changed
     in the policy loss (stages/rl/algorithms.py), so weights computed and logged but never passed
-    to the loss (or never multiplied in) leave it absent or 0, and this test fails."""
-    config = example_config("grpo_full.yaml", tmp_path, max_steps=30, logging_steps=1, eval_dataset=None,
+    to the loss (or never multiplied in) leave it absent or 0, and the run's asserts fail."""
+    config = example_config("grpo_full.yaml", tmp_path, max_steps=max_steps, logging_steps=1, eval_dataset=None,
                             reward_funcs=["digit_ratio"], reward_weights=None, async_rollout="one_step", top_k=0)
     result = run_exp(config)
 
     steps = _steps(result.output_dir)
-    assert sorted(steps) == list(range(1, 31))
-    assert [steps[s]["async/staleness"] for s in range(1, 31)] == [0] + [1] * 29
-    assert _rises(_rewards(result.output_dir))
-    later = [steps[s] for s in range(2, 31)]
-    assert sum(r["time/overlap"] > 0 for r in later) >= 20  # the engine worked while the policy trained
+    assert sorted(steps) == list(range(1, max_steps + 1))
+    assert [steps[s]["async/staleness"] for s in range(1, max_steps + 1)] == [0] + [1] * (max_steps - 1)
+    later = [steps[s] for s in range(2, max_steps + 1)]
+    # the engine worked while the policy trained, on most steps
+    assert sum(r["time/overlap"] > 0 for r in later) >= 2 * len(later) // 3, [r["time/overlap"] for r in later]
     assert all(r["time/overlap"] <= r["time/generate_engine"] + 1e-3 for r in later)
     assert max(r["rollout_logprob_diff"] for r in later) > 1e-3  # stale: sampled by older weights
     assert all("rollout_is_ratio_mean" in r and "rollout_is_kl" in r for r in later)  # correction on
@@ -42,8 +45,21 @@ def test_one_step_async_grpo_learns_from_stale_samples_with_correction(ray_sessi
     # the loss with the weights differs from the loss without them. Steps 1's samples are fresh.
     assert all("rollout_is_loss_change" in r for r in steps.values())
     signal = [r for r in later if r["reward_group_std"] > 0]
-    assert len(signal) >= 10, [r["reward_group_std"] for r in later]
+    assert len(signal) >= max_steps // 3, [r["reward_group_std"] for r in later]
     assert all(r["rollout_is_loss_change"] > 1e-6 for r in signal), [r["rollout_is_loss_change"] for r in signal]
+    return result.output_dir, steps
+
+
+def test_one_step_async_grpo_trains_on_stale_samples_with_correction(ray_session, tmp_path):
+    """The mechanics in 8 steps: stale samples, overlap, and the correction's weights in the loss."""
+    _one_step_run(tmp_path, max_steps=8)
+
+
+@pytest.mark.slow
+def test_one_step_async_grpo_learns_from_stale_samples_with_correction(ray_session, tmp_path):
+    """The same run for 30 steps: with stale, corrected samples the format reward still rises."""
+    output_dir, _ = _one_step_run(tmp_path, max_steps=30)
+    assert _rises(_rewards(output_dir))
 
 
 def test_killed_bounded_async_run_resumes_with_auto_and_logs_every_step_once(ray_session, tmp_path):

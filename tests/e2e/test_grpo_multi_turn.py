@@ -14,6 +14,8 @@ from __future__ import annotations
 import functools
 import json
 
+import pytest
+
 from cluster.driver import run_exp
 from registries.templates.tools import FunctionCall
 from stages.rl.environments import Environment, StepResult, ToolEnvironment
@@ -79,28 +81,38 @@ def _resets(tmp_path) -> list[dict]:
     return [json.loads(line) for line in (tmp_path / "resets.jsonl").read_text().splitlines()]
 
 
-def test_async_grpo_learns_through_two_turn_episodes_with_masked_observations(ray_session, tmp_path):
+def _two_turn_async_run(tmp_path, max_steps: int) -> str:
     """grpo, vLLM engine, one_step async: episodes are played on the controller's rollout thread
-    while the policy trains; two policy turns per trajectory with the observation between them,
-    the final turn's digit reward rises."""
-    config = example_config("grpo_full.yaml", tmp_path, max_steps=30, logging_steps=1, eval_dataset=None,
+    while the policy trains; two policy turns per trajectory with the observation between them."""
+    config = example_config("grpo_full.yaml", tmp_path, max_steps=max_steps, logging_steps=1, eval_dataset=None,
                             async_rollout="one_step", top_k=0, **multi_turn(tmp_path))
     result = run_exp(config)
 
     steps = _steps(result.output_dir)
-    assert sorted(steps) == list(range(1, 31))
-    staleness = [steps[s]["async/staleness"] for s in range(1, 31)]
+    assert sorted(steps) == list(range(1, max_steps + 1))
+    staleness = [steps[s]["async/staleness"] for s in range(1, max_steps + 1)]
     # A batch's episodes start when the rollout thread is free (right after the last batch's, as the
     # policy starts training) and are stamped then: one version old, or fresh when a push beat them.
-    assert staleness[0] == 0 and set(staleness) <= {0, 1} and staleness.count(1) >= 20, staleness
+    assert staleness[0] == 0 and set(staleness) <= {0, 1} and staleness.count(1) >= 2 * max_steps // 3, staleness
     assert all(1.0 < steps[s]["rollout/turns"] <= 2.0 for s in steps)
     assert all(0.3 < steps[s]["rollout/observation_token_fraction"] < 0.8 for s in steps)
-    assert _rises(_rewards(result.output_dir))
     resets = _resets(tmp_path)
-    assert len(resets) == 30 * 8 * 8  # steps x prompts x num_generations, one environment each
+    assert len(resets) == max_steps * 8 * 8  # steps x prompts x num_generations, one environment each
     row = resets[0]
     assert row["prompt"] == [{"role": "user", "content": f"What is {row['a']}+{row['b']}?"}]
     assert row["reference"] == str(row["a"] + row["b"]) and row["system"] == ""
+    return result.output_dir
+
+
+def test_async_grpo_runs_two_turn_episodes_with_masked_observations(ray_session, tmp_path):
+    """The mechanics in 6 steps: turns, observation share, staleness, one environment per episode."""
+    _two_turn_async_run(tmp_path, max_steps=6)
+
+
+@pytest.mark.slow
+def test_async_grpo_learns_through_two_turn_episodes_with_masked_observations(ray_session, tmp_path):
+    """The same run for 30 steps: the final turn's digit reward rises."""
+    assert _rises(_rewards(_two_turn_async_run(tmp_path, max_steps=30)))
 
 
 def test_ppo_with_the_hf_backend_trains_on_two_turn_episodes(ray_session, tmp_path):
