@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Install RayFactory with its test extras into .venv and run the whole test suite.
-# Prints the 30 slowest tests (--durations=30, pyproject's addopts) and writes a JUnit XML report
-# of the run to .ci/last-junit.xml.
+# Prints each part's 30 slowest tests (--durations=30, pyproject's addopts), writes a JUnit XML report
+# per part (.ci/last-junit-no-ray.xml, .ci/last-junit-ray.xml) and ends with the whole run's time and
+# its 30 slowest tests (scripts/slowest_tests.py).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup_venv.sh test
@@ -9,4 +10,15 @@ bash scripts/setup_venv.sh test
 # Modelfile's template); without them those tests skip (and fail under CI=true).
 bash scripts/install_system_packages.sh || echo "run_tests.sh: some system packages are missing; the tests that need them will say so" >&2
 mkdir -p .ci
-exec .venv/bin/python -m pytest -q --junitxml=.ci/last-junit.xml "$@"
+if [ "$#" -gt 0 ]; then  # a chosen selection: one pytest run, as given
+    exec .venv/bin/python -m pytest -q --junitxml=.ci/last-junit.xml "$@"
+fi
+# The default suite in two parts. The tests that start no Ray run on two pytest-xdist workers, each
+# with one torch thread (two cores: two threads each would fight over them); the shared caches they
+# fill are locked (tests/locks.py). The Ray tests then run one at a time: each local Ray (or Ray
+# Train, or vLLM engine) takes the whole machine.
+status=0
+OMP_NUM_THREADS=1 .venv/bin/python -m pytest -q -n 2 -m "not slow and not ray" --junitxml=.ci/last-junit-no-ray.xml || status=$?
+.venv/bin/python -m pytest -q -m "not slow and ray" --junitxml=.ci/last-junit-ray.xml || status=$?
+.venv/bin/python scripts/slowest_tests.py .ci/last-junit-no-ray.xml .ci/last-junit-ray.xml --top 30 || true
+exit "$status"
