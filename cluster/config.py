@@ -148,6 +148,7 @@ def load_config(path_or_dict: str | os.PathLike | dict | None = None, overrides:
     notes = apply_lf_compat(values, origin)
     grouped = _route(values, origin)  # an unknown key fails here, before anything imports transformers
     _coerce(grouped, origin, [group for group in grouped if group != "training"])
+    _check_registered(grouped.get("rl", {}), origin)
     built = {group: _build(group, grouped[group], origin, source) for group in ("model", "data", "finetuning")}
     if check_datasets:  # a dataset typo too: the trainer's option types import transformers (seconds)
         check_dataset_names(built["data"])
@@ -214,6 +215,16 @@ def _coerce(grouped: dict[str, dict[str, Any]], origin: dict[str, str], groups: 
             elif bool in typing.get_args(key_annotation(group, key)) + (key_annotation(group, key),):
                 value = bool_word(value)  # packing: no
             grouped[group][key] = value
+
+
+def _check_registered(rl: dict[str, Any], origin: dict[str, str]) -> None:
+    """advantage_estimator, loss_type and kl_estimator name registered algorithms
+    (stages/rl/algorithm_registry.py): checked as a Literal of the registered names, before torch."""
+    from stages.rl.algorithm_registry import REGISTRY_BY_KEY
+
+    for key, registry in REGISTRY_BY_KEY.items():
+        if key in rl:
+            coerce_key(key, rl[key], typing.Literal[registry.names()], origin[key])
 
 
 def check_dataset_names(data: DataArguments) -> None:

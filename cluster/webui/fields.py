@@ -23,8 +23,10 @@ SECTIONS = ("model", "method", "rl", "dataset", "output", "train", "ray")
 # The stages with an RL options group (stages/table.py: an ``rl`` entry; a test keeps the two in step).
 RL_STAGES = ("grpo", "ppo")
 RL = ("stage", *RL_STAGES)
-# RL keys whose choices are their Literal type in stages/rl/rl_args.py (filled by `form_spec`).
-RL_LITERALS = ("advantage_estimator", "loss_type", "rollout_backend", "async_rollout")
+# RL keys whose choices are their Literal type in stages/rl/rl_args.py (filled by `form_spec`) ...
+RL_LITERALS = ("rollout_backend", "async_rollout")
+# ... and those whose choices are the names registered for them (stages/rl/algorithm_registry.py).
+RL_REGISTERED = ("advantage_estimator", "loss_type")
 FIELDS: tuple[Field, ...] = (
     Field("model_name_or_path", "model", "text", "tiny:qwen2",
           help="hub id, local folder, tiny:<family> (random-init, offline) or demo:smollm2-135m-instruct"),

@@ -20,8 +20,8 @@ import yaml
 from registries.errors import UserError
 
 from .fields import (  # noqa: F401 (the field table, read through this module by the server and tests)
-    FIELD_BY_KEY, FIELDS, HUB_MODELS, LABELS, NEW_FORM_EXTRA, REQUIRED_CHOICES, RL, RL_LITERALS, RL_STAGES, SECTIONS,
-    Field,
+    FIELD_BY_KEY, FIELDS, HUB_MODELS, LABELS, NEW_FORM_EXTRA, REQUIRED_CHOICES, RL, RL_LITERALS, RL_REGISTERED,
+    RL_STAGES, SECTIONS, Field,
 )
 
 
@@ -37,7 +37,7 @@ def form_spec() -> dict[str, Any]:
             choices = ("auto", *sorted(list_templates()))
         elif f.key == "stage":
             choices = tuple(STAGES)
-        elif f.key in RL_LITERALS:
+        elif f.key in RL_LITERALS or f.key in RL_REGISTERED:
             choices = rl_choices(f.key)
         elif f.key == "reward_model_type":
             from stages.run_args import FinetuningArguments
@@ -51,9 +51,14 @@ def form_spec() -> dict[str, Any]:
 
 
 def rl_choices(key: str) -> tuple[str, ...]:
-    """The values an RL select offers: the Literal of its RLArguments field, the loader's own check."""
+    """The values an RL select offers: the names registered for it, or the Literal of its RLArguments
+    field; either way the loader's own check."""
     from stages.rl.rl_args import RLArguments
 
+    if key in RL_REGISTERED:
+        from stages.rl.algorithm_registry import choices
+
+        return choices(key)
     return literal_choices(RLArguments, key)
 
 

@@ -18,12 +18,11 @@ from typing import Optional
 
 import torch
 
+from stages.rl.algorithm_registry import ADVANTAGE_ESTIMATORS
 from stages.rl.algorithms import compute_advantages, loss_normalizer, uniform_groups
 from stages.rl.loop import RunProgress, count_steps, reward_totals, rollout_logprob_gap
 from stages.rl.rollouts import greedy_samples, sampling_spec
 from stages.rl.overlong import with_overlong_penalty
-from stages.rl.ppo_math import token_rewards
-from stages.rl.reinforce_pp import ESTIMATORS as REINFORCE_PP, reinforce_baseline_advantages, reinforce_pp_advantages
 from stages.rl.rewards import RewardSet, load_reward_funcs
 from stages.rl.roles import RLRun
 from stages.rl.steplog import PhaseTimer
@@ -80,16 +79,13 @@ def _score(run: RLRun, rewards: Optional[RewardSet], batch, samples: list[Rollou
 
 
 def _set_advantages(samples: list[RolloutSample], reward: torch.Tensor, rl) -> None:
-    """Each sample's reward and advantage: one per completion from its prompt group, or for
-    REINFORCE++ and reinforce_baseline one per token (the reward on the last token, the KL being in
-    the loss here)."""
-    if rl.advantage_estimator in (*REINFORCE_PP, "reinforce_baseline"):
+    """Each sample's reward and advantage: one per completion from its prompt group, or for a per-token
+    estimator (REINFORCE++, reinforce_baseline) one per token (the KL being in the loss here: none in
+    the rewards)."""
+    estimator = ADVANTAGE_ESTIMATORS.get(rl.advantage_estimator)
+    if estimator.kind == "per_token":
         mask = sample_mask(samples)  # a multi-turn trajectory's observation tokens carry no reward
-        if rl.advantage_estimator == "reinforce_baseline":
-            per_token = reinforce_baseline_advantages(reward, torch.zeros_like(mask), mask, 0.0, rl.num_generations)
-        else:
-            rewards = token_rewards(reward, torch.zeros_like(mask), mask, 0.0)
-            per_token = reinforce_pp_advantages(rl.advantage_estimator, rewards, mask, rl.num_generations, rl.gamma)
+        per_token = estimator.fn(reward, torch.zeros_like(mask), mask, 0.0, rl.num_generations, rl.gamma)
         for sample, r, row in zip(samples, reward.tolist(), per_token):
             sample.reward, sample.token_advantages = r, row[: len(sample.completion_ids)].tolist()
         return

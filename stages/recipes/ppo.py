@@ -23,13 +23,13 @@ import random
 
 import torch
 
+from stages.rl.algorithm_registry import ADVANTAGE_ESTIMATORS
 from stages.rl.algorithms import compute_advantages, kl_penalty, loss_normalizer
 from stages.rl.loop import (RunProgress, completion_texts, count_steps, reward_totals, rollout_logprob_gap,
                             split_evenly)
 from stages.rl.rollouts import greedy_samples, sampling_spec
 from stages.rl.overlong import with_overlong_penalty
 from stages.rl.ppo_math import RunningMoments, gae, kl_controller, normalize_scores, token_rewards
-from stages.rl.reinforce_pp import ESTIMATORS as REINFORCE_PP, reinforce_baseline_advantages, reinforce_pp_advantages
 from stages.rl.remote_reward import HTTPOptions, JudgeReward, RemoteReward, api_reward
 from stages.rl.rewards import load_reward_funcs
 from stages.rl.roles import PPORoles, PromptRow, RLRun
@@ -101,18 +101,15 @@ def _experience(roles: PPORoles, samples: list[RolloutSample], scores: torch.Ten
     else:
         kl_tok = torch.zeros_like(mask)
     seq_kl = kl_tok.sum(dim=1)
+    estimator = ADVANTAGE_ESTIMATORS.get(rl.advantage_estimator)
     stats = {"kl": seq_kl.mean().item(), "score": scores.mean().item()}
     if values is not None:
         values_t = pad_rows([torch.tensor(v) for v in values])
         rewards = token_rewards(scores, kl_tok, mask, kl_coef)
         advantages, returns = gae(rewards, values_t, mask, rl.gamma, rl.lam, whiten_rewards=rl.ppo_whiten_rewards)
         stats.update(values_mean=_masked_mean(values_t, mask), returns_mean=_masked_mean(returns, mask))
-    elif rl.advantage_estimator in REINFORCE_PP:  # OpenRLHF's REINFORCE++: the KL-shaped token rewards, whitened
-        advantages = reinforce_pp_advantages(rl.advantage_estimator, token_rewards(scores, kl_tok, mask, kl_coef),
-                                             mask, rl.num_generations, rl.gamma)
-        returns = None
-    elif rl.advantage_estimator == "reinforce_baseline":  # OpenRLHF's: centred scores, then as REINFORCE++
-        advantages = reinforce_baseline_advantages(scores, kl_tok, mask, kl_coef, rl.num_generations)
+    elif estimator.kind == "per_token":  # REINFORCE++, reinforce_baseline: OpenRLHF's KL-shaped token rewards
+        advantages = estimator.fn(scores, kl_tok, mask, kl_coef, rl.num_generations, rl.gamma)
         returns = None
     else:  # a group estimator on the KL-shaped sequence reward, the same advantage on every token
         advantages = compute_advantages(scores - kl_coef * seq_kl, rl.num_generations, rl.advantage_estimator,

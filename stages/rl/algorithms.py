@@ -14,14 +14,14 @@ match TRL 1.16's ``GRPOTrainer`` or, where TRL has no such option, OpenRLHF):
 
 from __future__ import annotations
 
-from typing import Optional, Sequence, Union
+from typing import Mapping, Optional, Sequence, Union
 
 import torch
 
-ESTIMATORS = ("group_norm", "dr_grpo", "rloo")  # reinforce_baseline: per token (stages/rl/reinforce_pp.py)
+from .algorithm_registry import ADVANTAGE_ESTIMATORS, KL_ESTIMATORS, POLICY_LOSSES
+
+# The estimators, losses and KL estimators are registered by name (stages/rl/algorithm_registry.py).
 SCALE_REWARDS = ("group", "batch", "none")
-KL_ESTIMATORS = ("k1", "k2", "k3")
-LOSS_TYPES = ("grpo", "dapo", "dr_grpo", "cispo")
 IMPORTANCE_SAMPLING_LEVELS = ("token", "sequence")
 # k3 exponentiates the log-ratio; clamping it to +-20 keeps exp() finite in float32 (e^20 ~ 5e8).
 # Only tokens whose policy and reference disagree by a factor above e^20 are affected (their KL
@@ -60,23 +60,17 @@ def compute_advantages(
     scale_rewards: str = "group",
     eps: float = 1e-4,
 ) -> torch.Tensor:
-    """Flat advantages [N] from flat rewards [N] (groups of ``num_generations`` in a row).
-
-    With r one reward, mean / sum its group's, n = num_generations:
-
-    * ``group_norm`` (GRPO): (r - mean) / (std + eps). ``scale_rewards`` picks the std: "group" the
-      group's, "batch" that of all N raw rewards (TRL's "batch"), "none" no division (then it is
-      dr_grpo). ``scale_rewards`` applies to group_norm only.
-    * ``dr_grpo`` (Dr. GRPO): r - mean; no std division, which would favour easy/hard prompts.
-    * ``rloo``: r - (sum - r) / (n - 1), the mean of the *other* completions (= n/(n-1) (r - mean)).
-
-    (OpenRLHF's ``reinforce_baseline`` whitens over the batch's tokens, not its completions:
-    ``reinforce_pp.reinforce_baseline_advantages``.)
+    """Flat advantages [N] from flat rewards [N] (groups of ``num_generations`` in a row), by a
+    registered group estimator (stages/rl/advantage_estimators.py: group_norm, dr_grpo, rloo).
+    ``scale_rewards`` ("group", "batch" or "none": group_norm's std) applies to group_norm only.
+    Per-token estimators (reinforce_baseline, ...) are called through their entry's ``fn``.
 
     Groups whose rewards are all equal get exactly 0.
     """
-    if estimator not in ESTIMATORS:
-        raise ValueError(f"Unknown advantage estimator {estimator!r}; expected one of {ESTIMATORS}.")
+    entry = ADVANTAGE_ESTIMATORS.get(estimator)
+    if entry.kind != "group":
+        raise ValueError(f"Unknown advantage estimator {estimator!r} for compute_advantages: it is a {entry.kind} "
+                         "estimator; call its registered fn (or the critic's GAE) instead.")
     if scale_rewards not in SCALE_REWARDS:
         raise ValueError(f"Unknown scale_rewards {scale_rewards!r}; expected one of {SCALE_REWARDS}.")
     grouped = _grouped(rewards, num_generations)
@@ -85,18 +79,7 @@ def compute_advantages(
     if not torch.isfinite(grouped).all():
         raise ValueError("rewards contain NaN or infinity; every completion needs a finite reward.")
     n = num_generations
-    centred = grouped - grouped.mean(dim=1, keepdim=True)
-    if estimator == "group_norm":
-        if scale_rewards == "group":
-            advantages = centred / (grouped.std(dim=1, keepdim=True) + eps)
-        elif scale_rewards == "batch":
-            advantages = centred / (grouped.std() + eps)
-        else:
-            advantages = centred
-    elif estimator == "dr_grpo":
-        advantages = centred
-    else:  # rloo
-        advantages = grouped - (grouped.sum(dim=1, keepdim=True) - grouped) / (n - 1)
+    advantages = entry.fn(grouped, scale_rewards, eps)
     flat_groups = uniform_groups(grouped.flatten(), n)
     advantages = advantages.masked_fill(flat_groups.unsqueeze(1), 0.0)
     return advantages.flatten()
@@ -108,26 +91,12 @@ def kl_penalty(
     estimator: str = "k3",
     clamp: Optional[float] = KL_LOG_RATIO_CLAMP,
 ) -> torch.Tensor:
-    """Per-token estimate of KL(policy || reference) from sampled tokens' log-probs (same shape out).
-
-    With log r = logp - ref_logp (Schulman's "Approximating KL divergence"):
-
-    * ``k1`` = log r: unbiased, but negative on many tokens (high variance).
-    * ``k2`` = (log r)^2 / 2: always >= 0, biased.
-    * ``k3`` = exp(-log r) - 1 + log r = exp(ref - logp) - (ref - logp) - 1: unbiased and >= 0
-      (TRL's and GRPO's choice). For k3 only, log r is clamped to +-``clamp`` first (None: no clamp)
-      so exp() cannot overflow.
-    """
-    if estimator not in KL_ESTIMATORS:
-        raise ValueError(f"Unknown KL estimator {estimator!r}; expected one of {KL_ESTIMATORS}.")
-    log_ratio = _as_float(logp) - _as_float(ref_logp)
-    if estimator == "k1":
-        return log_ratio
-    if estimator == "k2":
-        return log_ratio.pow(2) / 2
-    if clamp is not None:
-        log_ratio = log_ratio.clamp(-clamp, clamp)
-    return torch.exp(-log_ratio) - 1 + log_ratio
+    """Per-token estimate of KL(policy || reference) from sampled tokens' log-probs (same shape out),
+    by a registered KL estimator (stages/rl/kl_estimators.py: k1, k2, k3). With log r = logp - ref_logp,
+    k3 = exp(-log r) - 1 + log r clamps log r to +-``clamp`` first (None: no clamp) so exp() cannot
+    overflow."""
+    entry = KL_ESTIMATORS.get(estimator)
+    return entry.fn(_as_float(logp) - _as_float(ref_logp), clamp)
 
 
 def loss_normalizer(
@@ -139,15 +108,15 @@ def loss_normalizer(
 
     ``completion_lengths`` covers the whole optimizer step: all micro-batches of all data-parallel
     ranks (e.g. ``mask.sum(-1)`` of the full batch, or ``len(sample.completion_ids)`` each).
-    grpo: the number of sequences; dapo and cispo: the number of tokens; dr_grpo: sequences *
-    max_completion_length. Floored at 1 so an empty batch gives 0 loss, not NaN.
+    By the loss's registered aggregation: sequence_mean (grpo): the number of sequences; token_mean
+    (dapo, cispo): the number of tokens; max_length (dr_grpo): sequences * max_completion_length.
+    Floored at 1 so an empty batch gives 0 loss, not NaN.
     """
-    if loss_type not in LOSS_TYPES:
-        raise ValueError(f"Unknown loss_type {loss_type!r}; expected one of {LOSS_TYPES}.")
+    aggregation = POLICY_LOSSES.get(loss_type).aggregation
     lengths = torch.as_tensor(completion_lengths).flatten()
-    if loss_type == "grpo":
+    if aggregation == "sequence_mean":
         value = float(lengths.numel())
-    elif loss_type in ("dapo", "cispo"):
+    elif aggregation == "token_mean":
         value = float(lengths.sum().item())
     else:
         value = float(lengths.numel() * max_completion_length)
@@ -172,6 +141,7 @@ def policy_loss(
     entropy: Optional[torch.Tensor] = None,
     entropy_coef: float = 0.0,
     rollout_weights: Optional[torch.Tensor] = None,
+    loss_options: Optional[Mapping[str, float]] = None,
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """The clipped-surrogate loss of a padded batch, and its metrics.
 
@@ -182,7 +152,9 @@ def policy_loss(
 
         loss_tok = -min(ratio * A, clip(ratio, 1 - epsilon_low, 1 + epsilon_high) * A) + beta * kl_tok
 
-    Variants (TRL 1.16's keys and formulas):
+    ``loss_type`` names a registered policy loss (stages/rl/policy_losses.py, sapo.py), which gives
+    loss_tok's first term from ratio, A and logp (``loss_options``: the RLArguments keys its entry
+    lists in ``options``, e.g. SAPO's temperatures) and its aggregation. Variants (TRL 1.16's):
 
     * ``importance_sampling_level="sequence"`` (GSPO): ratio = exp(mean over the row's completion
       tokens of logp - old_logp), one value on every token of the row; clipped as above. Its
@@ -198,9 +170,10 @@ def policy_loss(
       importance weights; they multiply the clipped surrogate (TRL's place: after clipping, before the
       entropy bonus and the KL term), detached.
 
-    Aggregation: the loss is ``numerator / normalizer``, where the numerator is, by ``loss_type``,
-    grpo: the sum over sequences of each sequence's token mean; dapo, cispo and dr_grpo: the sum over
-    all tokens. ``normalizer`` None uses this batch's own ``loss_normalizer``, giving grpo = mean over
+    Aggregation: the loss is ``numerator / normalizer``, where the numerator is, by the loss's
+    aggregation, sequence_mean (grpo): the sum over sequences of each sequence's token mean;
+    token_mean and max_length (dapo, cispo, dr_grpo): the sum over all tokens. ``normalizer`` None
+    uses this batch's own ``loss_normalizer``, giving grpo = mean over
     sequences of token means, dapo = token mean, dr_grpo = sum / (B * max_completion_length).
 
     Micro-batches: pass every micro-batch ``normalizer=loss_normalizer(loss_type, <lengths of the
@@ -216,8 +189,7 @@ def policy_loss(
     clipped surrogate: what the rollout weights changed in the loss, 0 if nothing) when
     ``rollout_weights`` is. Under cispo only the high side caps (ratio > epsilon_high, A > 0).
     """
-    if loss_type not in LOSS_TYPES:
-        raise ValueError(f"Unknown loss_type {loss_type!r}; expected one of {LOSS_TYPES}.")
+    loss = POLICY_LOSSES.get(loss_type)
     if importance_sampling_level not in IMPORTANCE_SAMPLING_LEVELS:
         raise ValueError(f"Unknown importance_sampling_level {importance_sampling_level!r}; expected one of "
                          f"{IMPORTANCE_SAMPLING_LEVELS}.")
@@ -246,11 +218,7 @@ def policy_loss(
         row_mean = (log_ratio * mask).sum(1, keepdim=True) / mask.sum(1, keepdim=True).clamp(min=1.0)
         log_ratio = row_mean.expand_as(logp)
     ratio = torch.exp(log_ratio)
-    if loss_type == "cispo":
-        per_token = -torch.clamp(ratio, max=epsilon_high).detach() * adv * logp
-    else:
-        clipped = torch.clamp(ratio, 1 - epsilon_low, 1 + epsilon_high)
-        per_token = -torch.min(ratio * adv, clipped * adv)
+    per_token = loss.fn(ratio, adv, logp, epsilon_low, epsilon_high, **(loss_options or {}))
     uncorrected = per_token
     if rollout_weights is not None:
         per_token = per_token * rollout_weights.detach().to(device=logp.device, dtype=logp.dtype)
@@ -268,20 +236,20 @@ def policy_loss(
             per_token = per_token + beta * kl_tok
 
     token_sums = (per_token * mask).sum(dim=1)
-    if loss_type == "grpo":
+    if loss.aggregation == "sequence_mean":
         numerator = (token_sums / mask.sum(dim=1).clamp(min=1.0)).sum()
     else:
         numerator = token_sums.sum()
     if normalizer is None:
         normalizer = loss_normalizer(loss_type, mask.sum(dim=1), max_completion_length)
-    loss = numerator / normalizer
+    total = numerator / normalizer
 
     with torch.no_grad():
         n_tok = mask.sum()
         denom = n_tok.clamp(min=1.0)
-        cispo = loss_type == "cispo"
-        low = ((ratio < 1 - epsilon_low) & (adv < 0) & (not cispo)).to(mask.dtype)
-        high = ((ratio > (epsilon_high if cispo else 1 + epsilon_high)) & (adv > 0)).to(mask.dtype)
+        low_bound, high_bound = loss.clip_bounds(epsilon_low, epsilon_high)  # None: that side never clips
+        low = ((ratio < (low_bound if low_bound is not None else -1.0)) & (adv < 0)).to(mask.dtype)
+        high = ((ratio > (high_bound if high_bound is not None else float("inf"))) & (adv > 0)).to(mask.dtype)
         metrics = {
             "clip_fraction": ((low + high) * mask).sum().item() / denom.item(),
             "clip_fraction_low": (low * mask).sum().item() / denom.item(),
@@ -295,4 +263,4 @@ def policy_loss(
             metrics["entropy"] = (ent_tok * mask).sum().item() / denom.item()
         if rollout_weights is not None:  # what the weights did to the loss: 0 if they changed nothing
             metrics["rollout_is_loss_change"] = ((corrected - uncorrected).abs() * mask).sum().item() / denom.item()
-    return loss, metrics
+    return total, metrics

@@ -124,6 +124,7 @@ class PolicyWorker(TrainableRole):
         return RolloutCorrection.from_args(self.spec.rl)
 
     def _chunk_loss(self, chunk: list[RolloutSample], normalizer: float):
+        from .algorithm_registry import loss_options
         from .algorithms import policy_loss
         from .logprobs import completion_logprobs
 
@@ -155,7 +156,7 @@ class PolicyWorker(TrainableRole):
             max_completion_length=rl.max_completion_length, ref_logp=ref, beta=self.kl_loss_coef,
             kl_estimator=rl.kl_estimator, normalizer=normalizer,
             importance_sampling_level=rl.importance_sampling_level, entropy=entropy, entropy_coef=rl.entropy_coef,
-            rollout_weights=weights,
+            rollout_weights=weights, loss_options=loss_options(rl),
         )
 
     def export_weights(self) -> Optional[bytes]:

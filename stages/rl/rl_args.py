@@ -12,12 +12,10 @@ from typing import Any, Literal, Mapping, Optional
 
 from registries.errors import ArgumentError
 
+from . import algorithm_registry as algorithms
+
 logger = logging.getLogger(__name__)
 
-AdvantageEstimator = Literal["gae", "group_norm", "dr_grpo", "rloo", "reinforce_baseline", "reinforce_plus_plus",
-                             "reinforce_plus_plus_baseline"]
-GROUP_ESTIMATORS = ("group_norm", "dr_grpo", "rloo", "reinforce_baseline",  # all need n > 1 per prompt
-                    "reinforce_plus_plus_baseline")
 # Stage ppo's defaults where they differ from grpo's (applied when the config does not set the key):
 # a critic and GAE, one completion per prompt, the KL as a per-token k1 penalty in the reward with
 # TRL's initial coefficient 0.2 (LLaMA-Factory's PPO runs on TRL 0.9 with these).
@@ -65,20 +63,17 @@ class RLArguments:
     # "module.path:function" or a built-in name (stages/rl/rewards.py); one float per completion.
     reward_funcs: list[str] = field(default_factory=list)
     reward_weights: Optional[list[float]] = None  # None: 1.0 each
-    # --- advantages and loss --------------------------------------------------------------------
-    advantage_estimator: AdvantageEstimator = "group_norm"  # gae: stage ppo's critic-based estimator
+    # --- advantages and loss: advantage_estimator, loss_type and kl_estimator name registered entries
+    # (stages/rl/algorithm_registry.py; docs/rl.md's table lists them with their facts) --------------
+    advantage_estimator: str = "group_norm"  # gae: stage ppo's critic-based estimator
     scale_rewards: Literal["group", "batch", "none"] = "group"  # group_norm's std: per group, whole batch, none
     # KL-to-reference weight; 0 loads no reference model at all. grpo adds it to the loss; ppo puts
     # the KL into the reward, per token, and beta is the KL controller's starting coefficient.
     beta: float = 0.0
-    kl_estimator: Literal["k1", "k2", "k3"] = "k3"
+    kl_estimator: str = "k3"
     epsilon: float = 0.2  # clip range of the probability ratio ...
     epsilon_high: Optional[float] = None  # ... and its upper side (DAPO's clip-higher); None: epsilon
-    # grpo: mean over each completion's tokens, then over completions (sequence-mean);
-    # dapo: mean over all tokens of the batch (token-mean);
-    # dr_grpo: sum over tokens / (completions * max_completion_length) (no length bias).
-    # cispo: a REINFORCE term weighted by the IS ratio capped at epsilon_high (e.g. 5.0), token-mean.
-    loss_type: Literal["grpo", "dapo", "dr_grpo", "cispo"] = "dapo"
+    loss_type: str = "dapo"  # grpo (sequence mean), dapo (token mean), dr_grpo, cispo, ...
     # sequence: GSPO's one ratio per completion, exp(mean token log-ratio), clipped as a whole.
     importance_sampling_level: Literal["token", "sequence"] = "token"
     entropy_coef: float = 0.0  # loss -= entropy_coef x token entropy, aggregated as the policy loss
@@ -211,15 +206,9 @@ class RLArguments:
                                 f"maps to reward 1) must be positive, got {self.reward_judge_max_score}. E.g. 10.")
 
     def _check_loss_variants(self) -> None:
-        """CISPO's cap, the entropy bonus and the overlong buffer; before epsilon_high defaults to epsilon."""
-        if self.loss_type == "cispo" and (self.epsilon_high is None or self.epsilon_high <= 1):
-            raise ArgumentError(
-                "epsilon_high",
-                f"loss_type cispo caps each token's importance weight at epsilon_high itself (ScaleRL's eps_max, "
-                f"as in TRL), not at 1 + epsilon_high, so it must be above 1; got {self.epsilon_high} (unset means "
-                "epsilon, 0.2, which would shrink every on-policy weight). Set epsilon_high: 5.0, the value the "
-                "ScaleRL paper recommends, or another cap above 1.",
-            )
+        """The registered algorithms' rules (e.g. CISPO's cap), the entropy bonus and the overlong buffer;
+        before epsilon_high defaults to epsilon."""
+        algorithms.check_algorithms(self)
         if self.entropy_coef < 0:
             raise ArgumentError(
                 "entropy_coef",
@@ -359,23 +348,7 @@ class RLArguments:
 
     def check_for_stage(self, stage) -> None:
         """Rules that depend on the stage's entry in the stage table (an RL stage's)."""
-        from ..table import STAGES
-
-        if self.advantage_estimator == "gae" and not stage.rl.critic:
-            critics = ", ".join(s.name for s in STAGES.values() if s.rl is not None and s.rl.critic)
-            raise ArgumentError(
-                "advantage_estimator",
-                f"advantage_estimator gae needs a critic, which only stage {critics} trains; stage {stage.name} "
-                "compares completions of one prompt instead. Use group_norm, dr_grpo, rloo or reinforce_baseline, "
-                f"or stage {critics}.",
-            )
-        if self.advantage_estimator in GROUP_ESTIMATORS and self.num_generations < 2:
-            raise ArgumentError(
-                "num_generations",
-                f"advantage_estimator {self.advantage_estimator!r} compares the completions of one prompt with "
-                f"each other, so num_generations must be at least 2 (got {self.num_generations}). "
-                "Set num_generations: 4 (or more).",
-            )
+        algorithms.check_for_stage(self, stage)  # the estimator's critic and group size, GSPO's loss
         if self.dynamic_filtering and stage.name != "grpo":  # ppo's loop trains on every group
             raise ArgumentError(
                 "dynamic_filtering",
@@ -397,10 +370,6 @@ class RLArguments:
                 f"shrinks (stage grpo), but {'dynamic_filtering is off' if self.dynamic_filtering else 'this is stage ' + stage.name}. "
                 "Set dynamic_filtering: true under stage grpo, or remove max_num_gen_batches.",
             )
-        if self.importance_sampling_level == "sequence" and self.loss_type != "grpo":
-            logger.warning("importance_sampling_level sequence with loss_type %s sums per-token terms, so each "
-                           "completion weighs by its length; GSPO's own setup is loss_type grpo (as TRL warns).",
-                           self.loss_type)
         # reward functions are its only scorer, but a custom environment's step rewards (built-in tools: none)
         if not stage.rl.reward_model and not self.reward_funcs and self.environment in (None, "tools"):
             raise ArgumentError(
@@ -412,7 +381,7 @@ class RLArguments:
 
     @property
     def uses_critic(self) -> bool:
-        return self.advantage_estimator == "gae"
+        return algorithms.ADVANTAGE_ESTIMATORS.get(self.advantage_estimator).needs_critic
 
     @property
     def completions_per_step(self) -> int:

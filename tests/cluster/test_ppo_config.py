@@ -309,7 +309,7 @@ def test_gae_needs_stage_ppo():
     assert error_of({**PPO, "stage": "grpo", "advantage_estimator": "gae"}) == (
         "invalid advantage_estimator in the config dict: advantage_estimator gae needs a critic, which only "
         "stage ppo trains; stage grpo compares completions of one prompt instead. Use group_norm, dr_grpo, "
-        "rloo or reinforce_baseline, or stage ppo."
+        "rloo, reinforce_baseline, reinforce_plus_plus or reinforce_plus_plus_baseline, or stage ppo."
     )
 
 
