@@ -63,8 +63,7 @@ class RLArguments:
     # "module.path:function" or a built-in name (stages/rl/rewards.py); one float per completion.
     reward_funcs: list[str] = field(default_factory=list)
     reward_weights: Optional[list[float]] = None  # None: 1.0 each
-    # --- advantages and loss: advantage_estimator, loss_type and kl_estimator name registered entries
-    # (stages/rl/algorithm_registry.py; docs/rl.md's table lists them with their facts) --------------
+    # --- advantages and loss (estimators and losses: registered names, stages/rl/algorithm_registry.py) ---
     advantage_estimator: str = "group_norm"  # gae: stage ppo's critic-based estimator
     scale_rewards: Literal["group", "batch", "none"] = "group"  # group_norm's std: per group, whole batch, none
     # KL-to-reference weight; 0 loads no reference model at all. grpo adds it to the loss; ppo puts
@@ -155,7 +154,8 @@ class RLArguments:
 
     def __post_init__(self) -> None:
         for name in ("rollout_batch_size", "num_generations", "max_completion_length", "num_iterations", "ppo_epochs",
-                     "ppo_buffer_size", "kl_horizon", "max_tokens_per_micro_batch", "max_num_gen_batches"):
+                     "ppo_buffer_size", "kl_horizon", "max_tokens_per_micro_batch", "max_num_gen_batches",
+                     "reward_api_concurrency", "reward_api_batch_size"):
             if getattr(self, name) is not None and getattr(self, name) < 1:
                 raise ArgumentError(name, f"{name} must be at least 1, got {getattr(self, name)}.")
         self._check_loss_variants()
@@ -191,9 +191,6 @@ class RLArguments:
         if self.reward_api_retries < 0:
             raise ArgumentError("reward_api_retries", f"reward_api_retries (attempts after the first) must be >= 0, "
                                                       f"got {self.reward_api_retries}. E.g. 3; 0 never retries.")
-        for name in ("reward_api_concurrency", "reward_api_batch_size"):
-            if getattr(self, name) < 1:
-                raise ArgumentError(name, f"{name} must be at least 1, got {getattr(self, name)}.")
         if self.reward_judge_rubric is not None and "{completion}" not in self.reward_judge_rubric:
             raise ArgumentError(
                 "reward_judge_rubric",
@@ -206,8 +203,7 @@ class RLArguments:
                                 f"maps to reward 1) must be positive, got {self.reward_judge_max_score}. E.g. 10.")
 
     def _check_loss_variants(self) -> None:
-        """The registered algorithms' rules (e.g. CISPO's cap), the entropy bonus and the overlong buffer;
-        before epsilon_high defaults to epsilon."""
+        """The registered algorithms' rules, the entropy bonus, the overlong buffer; before epsilon_high is set."""
         algorithms.check_algorithms(self)
         if self.entropy_coef < 0:
             raise ArgumentError(
