@@ -16,7 +16,8 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Generic, Literal, Optional, TypeVar
 
 # The modules holding the built-in registrations, in the order their entries are listed.
-BUILTIN_MODULES = ("stages.rl.advantage_estimators", "stages.rl.policy_losses", "stages.rl.kl_estimators")
+BUILTIN_MODULES = ("stages.rl.advantage_estimators", "stages.rl.policy_losses", "stages.rl.kl_estimators",
+                   "stages.rl.sapo")
 # How a policy loss turns per-token losses into one number: the numerator, and the normalizer the
 # whole optimizer step shares (``algorithms.loss_normalizer``).
 Aggregation = Literal["sequence_mean", "token_mean", "max_length"]
