@@ -80,3 +80,28 @@ def test_loss_type_sapo_loads_and_is_offered_by_the_web_ui():
                                     "dataset": ["arith_train"], "stage": "grpo", "reward_funcs": "exact_match",
                                     "loss_type": "sapo"})
     assert config["loss_type"] == "sapo"
+
+
+def test_the_policy_worker_trains_sapo_with_the_configured_temperatures(tmp_path, monkeypatch):
+    """The worker passes the loss's registered options (its temperatures) from the config to the loss."""
+    import dataclasses
+
+    from stages.rl import algorithm_registry as reg
+    from stages.rl.algorithms import loss_normalizer
+    from tests.stages.test_rl_policy import policy, samples
+
+    seen = []
+    entry = reg.POLICY_LOSSES.get("sapo")
+
+    def recording(*args, **options):
+        seen.append(options)
+        return entry.fn(*args, **options)
+
+    monkeypatch.setitem(reg.POLICY_LOSSES.entries, "sapo", dataclasses.replace(entry, fn=recording))
+    worker = policy(tmp_path, loss_type="sapo", sapo_temperature_pos=0.5, sapo_temperature_neg=2.0)
+    batch = samples()
+    before = torch.cat([p.detach().flatten() for p in worker.model.parameters()])
+    report = worker.update(batch, loss_normalizer("sapo", [len(s.completion_ids) for s in batch], 32))
+    after = torch.cat([p.detach().flatten() for p in worker.model.parameters()])
+    assert seen and all(o == {"sapo_temperature_pos": 0.5, "sapo_temperature_neg": 2.0} for o in seen)
+    assert report["clip_fraction"] == 0.0 and (after - before).abs().max() > 0
