@@ -14,11 +14,11 @@ if [ "$#" -gt 0 ]; then  # a chosen selection: one pytest run, as given
     exec .venv/bin/python -m pytest -q --junitxml=.ci/last-junit.xml "$@"
 fi
 # The default suite in two parts. The tests that start no Ray run on two pytest-xdist workers, each
-# with one torch thread (two cores: two threads each would fight over them); the shared caches they
-# fill are locked (tests/locks.py). The Ray tests then run one at a time: each local Ray (or Ray
-# Train, or vLLM engine) takes the whole machine.
+# with its share of the cores for torch (tests/conftest.py); the shared caches they fill are locked
+# (tests/locks.py). The Ray tests then run one at a time: each local Ray (or Ray Train, or vLLM
+# engine) takes the whole machine.
 status=0
-OMP_NUM_THREADS=1 .venv/bin/python -m pytest -q -n 2 -m "not slow and not ray" --junitxml=.ci/last-junit-no-ray.xml || status=$?
+.venv/bin/python -m pytest -q -n 2 -m "not slow and not ray" --junitxml=.ci/last-junit-no-ray.xml || status=$?
 .venv/bin/python -m pytest -q -m "not slow and ray" --junitxml=.ci/last-junit-ray.xml || status=$?
 .venv/bin/python scripts/slowest_tests.py .ci/last-junit-no-ray.xml .ci/last-junit-ray.xml --top 30 || true
 exit "$status"

@@ -17,6 +17,15 @@ if REPO_ROOT not in sys.path:
 E2E_DIR = Path(REPO_ROOT) / "tests" / "e2e"
 
 
+def pytest_configure(config):
+    """Under pytest-xdist (``-n N``) each worker gets its share of the cores for torch's threads
+    (set before any test imports torch): N workers of all-core thread pools on a 2-core machine
+    would spend their time waiting on each other."""
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "0") or 0)
+    if workers > 1:
+        os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // workers)))
+
+
 def pytest_collection_modifyitems(config, items):
     """Mark every test that starts a real Ray with ``ray``, so ``pytest -m "not ray"`` is the fast
     loop: tests that use ``ray_session`` (directly or through another fixture) and everything
