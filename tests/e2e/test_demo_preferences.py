@@ -4,9 +4,9 @@ judged on held-out pairs the base model gets right at chance (arith_pref_eval: u
 a+b?" prompts, the right sum against a near miss; SmolLM2 gives the right sum the higher log-prob
 on 0.49 of them), and a reward model judged on the held-out half of our ranking data.
 
-The default suite runs 8 dpo steps: the loss falls, and the saved adapter, loaded on its base,
-already prefers the right sums on held-out prompts. The ``slow`` tests run the example configs as
-they are (one epoch, ~4-6 min each here) and ask for clear held-out gains;
+Every test here is ``slow`` (learning claims on a real model): 8 dpo steps, after which the loss
+falls and the saved adapter, loaded on its base, already prefers the right sums on held-out prompts
+(~1 min); the example configs as they are (one epoch, ~4-6 min each here), with clear held-out gains;
 benchmarks/preference_learning.py reports the same figures over several seeds (benchmarks/README.md).
 """
 
@@ -44,6 +44,7 @@ def held_out_report(adapter_dir: str, beta: float | None) -> dict:
     return judge_adapter(adapter_dir, "arith_pref_eval", DATA_DIR, beta)
 
 
+@pytest.mark.slow  # a learning claim (held-out gains); dpo's mechanics are test_dpo.py's, the real model's test_demo_model.py's
 def test_a_few_dpo_steps_alone_on_the_real_model_move_held_out_rewards(ray_session, tmp_path):
     config = example_config("smollm2_lora_dpo.yaml", tmp_path, max_steps=8, logging_steps=1, warmup_steps=1,
                             learning_rate=1.0e-3)

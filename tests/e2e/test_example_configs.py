@@ -116,8 +116,8 @@ TRAINED_ELSEWHERE = {
     "smollm2_lora_sft.yaml": "test_demo_model.py",
     # LoRA on LLaVA: that test also merges the adapter and checks the vision tower is bit-identical
     "sft_llava_shapes.yaml": "test_vision_lora_sft.py",
-    # The real model takes ~3 s a step here: its dpo example trains 8 steps in the default suite, the
-    # others (and that one again, whole) in that file's slow tests, each a few minutes.
+    # The real model takes ~3 s a step here: its preference examples train in that file's slow tests
+    # (learning claims, a few minutes each); the real model's default-suite run is test_demo_model.py's.
     "smollm2_lora_dpo.yaml": "test_demo_preferences.py",
     "smollm2_lora_kto.yaml": "test_demo_preferences.py",
     "smollm2_lora_orpo.yaml": "test_demo_preferences.py",

@@ -183,6 +183,9 @@ def test_workers_and_data_tasks_spread_over_nodes(cluster, uninterrupted):
     assert {t.node_id for t in data_tasks} <= cluster_nodes, sorted((t.name, t.node_id) for t in tasks)
 
 
+# slow: a minute here; restarting from the last checkpoint after a worker dies is test_fault_tolerance.py's
+# (default suite), this adds Ray placing the restarted group on the spare node of a three-node cluster.
+@pytest.mark.slow
 def test_losing_the_node_of_rank_0_restarts_on_the_spare_node(cluster, uninterrupted, tmp_path):
     head, workers = cluster
     reference, _ = uninterrupted

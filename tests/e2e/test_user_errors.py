@@ -2,7 +2,8 @@
 
 Each case runs ``.venv/bin/rayfactory train cfg.yaml`` as a subprocess in a fresh folder with its
 own small dataset_dir. Mistakes that need no cluster (unknown names, a missing model, a dataset
-that cannot serve the stage) must fail before Ray starts: those runs get ``RAY_ADDRESS=""``, so a
+that cannot serve the stage) must fail before Ray starts (those cases are
+tests/cluster/test_cli_refusals_before_ray.py's, with these helpers): those runs get ``RAY_ADDRESS=""``, so a
 regression would start a local Ray, which logs "Started a local Ray instance" (to the run's
 rayfactory.log). Mistakes found by Ray (a bad row inside a Ray Data task, too few CPUs) join the
 test session's Ray instead of starting one per case (~15 s each on 2 cores). A bad row reads the
@@ -146,63 +147,6 @@ def test_skip_bad_rows_trains_and_reports_the_skipped_row(tmp_path, session_addr
     )
     assert f"'train_examples': {ROWS - 1}, 'eval_examples': 0" in done.stdout
     assert [r["current_steps"] for r in read_log(str(tmp_path / "out")) if "loss" in r] == [1, 2]
-
-
-def test_dpo_on_single_answer_data_fails_before_ray_starts(tmp_path):
-    write_dataset(tmp_path)
-    write_config(tmp_path, stage="dpo")
-    done = rayfactory_train(tmp_path)
-    message = error_paragraph(done)
-    assert message == (
-        f"Stage 'dpo' trains on preference pairs, but dataset 'mine' (in {tmp_path / 'data' / 'dataset_info.json'}) "
-        "is not a ranking dataset: it lacks \"ranking\": true and the columns \"chosen\" and \"rejected\". "
-        "Use a ranking dataset or add them."
-    )
-    assert not started_local_ray(tmp_path, done)
-
-
-@pytest.mark.parametrize(
-    "overrides, expected",
-    [
-        (
-            {"dataset": "mien"},
-            "Dataset 'mien' is not defined in {data}/dataset_info.json. Did you mean: mine?",
-        ),
-        (
-            {"template": "qwen9"},
-            "template: Unknown template 'qwen9'. Did you mean 'qwen', 'qwen3', 'qwen2_vl'? Run `rayfactory templates`",
-        ),
-        (
-            {"model_name_or_path": "./models/my-model"},
-            "model_name_or_path './models/my-model' does not exist (looked for {tmp}/models/my-model). "
-            "Point it at a model folder, use a hub id such as Qwen/Qwen2.5-0.5B-Instruct, tiny:qwen2 for a tiny test "
-            "model, or demo:smollm2-135m-instruct for a real small one.",
-        ),
-        (
-            {"model_name_or_path": "/nonexistent/models/my-model"},
-            "model_name_or_path '/nonexistent/models/my-model' does not exist "
-            "(looked for /nonexistent/models/my-model).",
-        ),
-        (
-            {"stage": "dpo", "finetuning_type": "lora", "ref_model": "./models/ref"},
-            "ref_model './models/ref' does not exist (looked for {tmp}/models/ref). Point it at a model folder",
-        ),
-        (
-            {"finetuning_type": "lora", "adapter_name_or_path": "./out/sft-lora"},
-            "adapter_name_or_path './out/sft-lora' does not exist (looked for {tmp}/out/sft-lora). "
-            "Point it at a folder holding adapter_config.json",
-        ),
-    ],
-    ids=["unknown-dataset", "unknown-template", "missing-relative-model", "missing-absolute-model",
-         "missing-ref-model", "missing-adapter"],
-)
-def test_config_mistakes_fail_before_ray_starts(tmp_path, overrides, expected):
-    write_dataset(tmp_path)
-    write_config(tmp_path, **overrides)
-    done = rayfactory_train(tmp_path)
-    message = error_paragraph(done)
-    assert message.startswith(expected.format(tmp=tmp_path, data=tmp_path / "data")), message
-    assert not started_local_ray(tmp_path, done)
 
 
 def test_more_workers_than_cluster_cpus_fails_fast(tmp_path, ray_session, session_address):

@@ -144,7 +144,11 @@ def test_lora_dpo_with_reference_log_probs_computed_before_training(ray_session,
     out = run_exp(config).output_dir
     records = [r for r in read_log(out) if "loss" in r]
     assert len(records) == 2 and abs(records[0]["loss"] - 0.693147) < 1e-4, records
-    assert (records[0]["rewards/chosen"], records[0]["rewards/rejected"]) == (0.0, 0.0)
+    # Zero up to float32 rounding: the reference pass and the policy's first pass batch the pairs
+    # differently, and on some CPUs the last bits of a log-prob differ (1e-7 measured here; exactly
+    # 0 on others). The tolerance is a hundred times that rounding.
+    assert records[0]["rewards/chosen"] == pytest.approx(0.0, abs=1e-5), records[0]
+    assert records[0]["rewards/rejected"] == pytest.approx(0.0, abs=1e-5), records[0]
     # lora_target all: the language model's 7 projections in both layers, none in the vision tower
     keys = list(load_file(f"{out}/adapter_model.safetensors"))
     assert len(keys) == 2 * 7 * 2 and all(".language_model.layers." in key for key in keys), keys
