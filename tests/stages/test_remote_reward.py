@@ -49,16 +49,18 @@ class Server:
                         status, reply = 404, {"error": "no such path"}
                     else:
                         status, reply = route(server, body, self)
-                    if reply is None:  # the route wrote its own reply
-                        return
-                    data = reply if isinstance(reply, bytes) else json.dumps(reply).encode()
-                    self.send_response(status)
-                    self.send_header("Content-Length", str(len(data)))
-                    self.end_headers()
-                    self.wfile.write(data)
                 finally:
+                    # Done before the reply goes out: the client may send its next request the moment
+                    # it has this one's, and this thread must not still count as in flight then.
                     with server.lock:
                         server.in_flight -= 1
+                if reply is None:  # the route wrote its own reply
+                    return
+                data = reply if isinstance(reply, bytes) else json.dumps(reply).encode()
+                self.send_response(status)
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
 
             do_GET = do_POST = _answer
 
