@@ -65,14 +65,7 @@ def reinforce_pp_advantages(
             running = torch.where(keep[:, t], rewards[:, t] + gamma * running, running)
             values[:, t] = running
     else:
-        scores = rewards.sum(dim=1)
-        if num_generations < 2 or scores.numel() % num_generations:
-            raise ValueError(f"{scores.numel()} completions do not split into prompt groups of "
-                             f"num_generations={num_generations} (at least 2).")
-        grouped = scores.view(-1, num_generations)
-        centred = grouped - grouped.mean(dim=1, keepdim=True)
-        centred = centred.masked_fill(uniform_groups(scores, num_generations).unsqueeze(1), 0.0)
-        values = centred.flatten()[:, None].expand_as(rewards)
+        values = _centred_by_group(rewards.sum(dim=1), num_generations)[:, None].expand_as(rewards)
     return masked_whiten(values, keep)
 
 
@@ -89,16 +82,23 @@ def reinforce_baseline_advantages(
     ordered group by group. A uniform group's centred scores are exactly 0 before the whitening."""
     scores = torch.as_tensor(scores)
     scores = scores if scores.dtype in (torch.float32, torch.float64) else scores.float()
-    if scores.dim() != 1 or num_generations < 2 or scores.numel() % num_generations:
-        raise ValueError(f"{scores.numel()} scores do not split into prompt groups of num_generations="
-                         f"{num_generations} (at least 2).")
+    if scores.dim() != 1:
+        raise ValueError(f"reinforce_baseline_advantages wants one score per completion; got {tuple(scores.shape)}.")
     if not torch.isfinite(scores).all():
         raise ValueError("rewards contain NaN or infinity; every completion needs a finite reward.")
-    grouped = scores.view(-1, num_generations)
-    centred = (grouped - grouped.mean(dim=1, keepdim=True)).masked_fill(
-        uniform_groups(scores, num_generations).unsqueeze(1), 0.0)
-    rewards = token_rewards(centred.flatten(), torch.as_tensor(kl).to(scores.dtype), mask, kl_coef)
+    centred = _centred_by_group(scores, num_generations)
+    rewards = token_rewards(centred, torch.as_tensor(kl).to(scores.dtype), mask, kl_coef)
     returns = rewards.flip(1).cumsum(dim=1).flip(1)  # gamma 1; masked-out tokens carry 0 reward
     mean, var = masked_mean(returns, mask), masked_var(returns, mask, unbiased=False)
     return torch.where(torch.as_tensor(mask).to(returns.device) > 0, (returns - mean) * var.clamp(min=1e-8).rsqrt(),
                        0.0)
+
+
+def _centred_by_group(scores: torch.Tensor, num_generations: int) -> torch.Tensor:
+    """Each completion's score [B] minus its prompt group's mean; exactly 0 for a uniform group."""
+    if num_generations < 2 or scores.numel() % num_generations:
+        raise ValueError(f"{scores.numel()} completions do not split into prompt groups of "
+                         f"num_generations={num_generations} (at least 2).")
+    grouped = scores.view(-1, num_generations)
+    centred = grouped - grouped.mean(dim=1, keepdim=True)
+    return centred.masked_fill(uniform_groups(scores, num_generations).unsqueeze(1), 0.0).flatten()
