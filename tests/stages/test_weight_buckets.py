@@ -3,6 +3,7 @@ process group (weight_group.py): what goes in comes out, byte for byte, across r
 
 from __future__ import annotations
 
+import io
 import multiprocessing
 import socket
 
@@ -63,7 +64,11 @@ def test_a_buffer_of_the_wrong_size_is_refused():
 def _receiver(port: int, plan, queue) -> None:
     group = join("127.0.0.1", port, 1, 2, "gloo", timeout_s=60)
     got = {name: t.clone() for name, t in receive(plan, lambda buffer: broadcast(group, buffer))}
-    queue.put(got)
+    # Serialised bytes, not tensors: a queued tensor travels as a shared-memory fd that this
+    # process must still be alive to hand over, and it exits right after the put.
+    payload = io.BytesIO()
+    torch.save(got, payload)
+    queue.put(payload.getvalue())
 
 
 def test_buckets_broadcast_over_a_gloo_weight_group_arrive_byte_for_byte():
@@ -81,7 +86,7 @@ def test_buckets_broadcast_over_a_gloo_weight_group_arrive_byte_for_byte():
         group = join("127.0.0.1", port, 0, 2, "gloo", timeout_s=60)
         for buffer in buffers:
             broadcast(group, buffer)
-        got = queue.get(timeout=60)
+        got = torch.load(io.BytesIO(queue.get(timeout=60)))
     finally:
         other.join(timeout=60)
     assert other.exitcode == 0
