@@ -4,7 +4,7 @@
     .venv/bin/python benchmarks/rl_padding_free.py --max-completion 32 --updates 5
 
 The policy of configs/grpo_full.yaml (tiny Qwen2-style model, full fine-tuning, beta > 0, its
-per_device_train_batch_size) built in this process without Ray (stages/rl/policy.py), updated on
+per_device_train_batch_size) built in this process without Ray (stages/rl/workers/policy.py), updated on
 one step's batch of that config's shape: rollout_batch_size x num_generations = 64 samples, prompts
 of 20-40 random ids, completions of uneven length, uniform in 1..--max-completion (the config's
 own max_completion_length is 8; longer ones show what the padding costs). Each layout gets the
@@ -40,7 +40,7 @@ COLUMNS = [("layout", "layout", "{}"), ("micro-batches", "micro_batches", "{}"),
 
 def policy(out_dir: str, **overrides):
     from cluster.config import load_config
-    from stages.rl.policy import PolicyWorker
+    from stages.rl.workers.policy import PolicyWorker
 
     with open(CONFIG) as f:
         config = yaml.safe_load(f)
@@ -52,7 +52,7 @@ def policy(out_dir: str, **overrides):
 
 
 def samples(count: int, max_completion: int, seed: int = 0):
-    from stages.rl.types import RolloutSample
+    from stages.rl.config.types import RolloutSample
 
     generator = torch.Generator().manual_seed(seed)
     out = []
@@ -69,7 +69,7 @@ def measure(layouts: dict[str, dict], max_completion: int, updates: int) -> list
     """Every layout's policy is built first, then the timed updates and log-prob passes go round
     the layouts in turn: a machine shared with other work slows them alike. The fastest of each
     layout's runs is the least disturbed one (tokens/s from it); the median is printed beside it."""
-    from stages.rl.algorithms import loss_normalizer
+    from stages.rl.algorithms.grpo_math import loss_normalizer
 
     with tempfile.TemporaryDirectory() as out_dir:
         workers = {name: policy(os.path.join(out_dir, str(i)), max_completion_length=max_completion, **overrides)

@@ -43,7 +43,7 @@ def sample(backend: str, prompts: int, seed: int) -> dict:
 
     from stages.engines.types import SamplingSpec
     from stages.loading import resolve_model_path
-    from stages.rl.rewards import load_reward_funcs
+    from stages.rl.controller.rewards import load_reward_funcs
 
     path = resolve_model_path(MODEL)
     tokenizer = AutoTokenizer.from_pretrained(path)

@@ -82,7 +82,7 @@ def alone_accuracy(model: str, template: str) -> float:
     """The model's own greedy accuracy on calc_eval, no tools and no warm start: the last integer
     of its reply against the answer (final_number, the reward that reads a chatty reply kindly)."""
     from cluster.api import ChatModel
-    from stages.rl.rewards import final_number
+    from stages.rl.controller.rewards import final_number
 
     with open(os.path.join(REPO_ROOT, "data", "calc_eval.json"), encoding="utf-8") as f:
         rows = json.load(f)

@@ -57,7 +57,7 @@ def trl_child(out_dir: str, steps: int, seed: int) -> None:
     from trl import GRPOConfig, GRPOTrainer
 
     from stages.loading import resolve_model_path
-    from stages.rl.rewards import final_number, short_answer
+    from stages.rl.controller.rewards import final_number, short_answer
 
     with open(os.path.join(REPO_ROOT, "data", "arith_train.json"), encoding="utf-8") as f:
         rows = json.load(f)

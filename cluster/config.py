@@ -37,7 +37,7 @@ from stages.job import JobSpec
 from stages.tracking import default_run_name
 from stages.inference.inference_args import ExportArguments, InferenceArguments
 from stages.inference.loading import InferenceSpec
-from stages.rl.rl_args import RLArguments
+from stages.rl.config.rl_args import RLArguments
 
 from .config_types import ConfigError, bool_word, coerce_key
 from .config_yaml import parse_override, read_source as _read_source  # noqa: F401 (parse_override: its old address)
@@ -219,8 +219,8 @@ def _coerce(grouped: dict[str, dict[str, Any]], origin: dict[str, str], groups: 
 
 def _check_registered(rl: dict[str, Any], origin: dict[str, str]) -> None:
     """advantage_estimator, loss_type and kl_estimator name registered algorithms
-    (stages/rl/algorithm_registry.py): checked as a Literal of the registered names, before torch."""
-    from stages.rl.algorithm_registry import REGISTRY_BY_KEY
+    (stages/rl/algorithms/registry.py): checked as a Literal of the registered names, before torch."""
+    from stages.rl.algorithms.registry import REGISTRY_BY_KEY
 
     for key, registry in REGISTRY_BY_KEY.items():
         if key in rl:

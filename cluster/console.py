@@ -94,7 +94,7 @@ class Console:
             self.say(f"  rewards   {' + '.join(scorers)}; {cfg.rl.num_generations} samples per prompt, "
                      f"{cfg.rl.rollout_batch_size} prompts per step")
             if "critic" in tuning.spec.rl.roles(tuning, cfg.rl):
-                from stages.rl.critic import critic_source
+                from stages.rl.workers.critic import critic_source
 
                 self.say(f"  critic    {ray_args.critic_num_workers} worker(s) from the {critic_source(cfg)} model, "
                          f"GAE (gamma {cfg.rl.gamma:g}, lam {cfg.rl.lam:g}), {cfg.rl.ppo_epochs} epochs x "

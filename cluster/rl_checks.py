@@ -12,7 +12,7 @@ from typing import Callable
 
 from registries.errors import ArgumentError, UserError
 
-from stages.rl.checks import RLConfigError, check_judge_keys
+from stages.rl.config.checks import RLConfigError, check_judge_keys
 
 from .config_types import ConfigError
 
@@ -22,7 +22,7 @@ def check_rl(run, where: Callable[[str], str], local: bool = True, run_modules: 
     ``local``: the run starts on this machine, so its reward modules and files can be checked here.
     ``run_modules`` (default: ``local``) False finds user modules on disk without importing them."""
     run_modules = local if run_modules is None else run_modules
-    from stages.rl.rewards import RewardFunctionError, importable_from, load_reward_funcs
+    from stages.rl.controller.rewards import RewardFunctionError, importable_from, load_reward_funcs
     from stages.table import STAGES
 
     stage = run.finetuning.spec
@@ -144,9 +144,9 @@ def _check_truncated_sampling(run, where: Callable[[str], str]) -> None:
 
 def _check_environment(run, where: Callable[[str], str], run_modules: bool) -> None:
     """A multi-turn run's environment and tools load (found, not run, when submitted elsewhere)."""
-    from stages.rl.environments import EnvironmentSpecError, load_environment
-    from stages.rl.rewards import importable_from
-    from stages.rl.tools import ToolError, load_tools
+    from stages.rl.agents.environments import EnvironmentSpecError, load_environment
+    from stages.rl.controller.rewards import importable_from
+    from stages.rl.agents.tools import ToolError, load_tools
 
     rl = run.rl
     try:
@@ -163,7 +163,7 @@ def _check_environment(run, where: Callable[[str], str], run_modules: bool) -> N
 
 
 def _check_deepspeed(run, where: Callable[[str], str]) -> None:
-    """deepspeed: the policy and critic train in a DeepSpeed engine (stages/rl/zero.py). What the
+    """deepspeed: the policy and critic train in a DeepSpeed engine (stages/rl/workers/zero.py). What the
     RL roles cannot do with it is named here; the file itself was read by read_deepspeed_config."""
     config = run.training.values.get("deepspeed")
     if isinstance(config, str) and os.path.isfile(config):  # read_deepspeed_config reads it later, and says
@@ -174,7 +174,7 @@ def _check_deepspeed(run, where: Callable[[str], str]) -> None:
             return
     if not isinstance(config, dict):
         return
-    from stages.rl.zero import ZeroConfigError, check_autos
+    from stages.rl.workers.zero import ZeroConfigError, check_autos
 
     try:
         check_autos(config, place=f"deepspeed in {where('deepspeed')}")

@@ -21,8 +21,8 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable, Optional
 
 from stages.job import JobSpec
-from stages.rl.rewards import importable_from
-from stages.rl.roles import PromptRow, RLRun
+from stages.rl.controller.rewards import importable_from
+from stages.rl.controller.roles import PromptRow, RLRun
 
 from .actor_group import ActorGroup, gather
 from .ray_args import RayArguments
@@ -79,7 +79,7 @@ def launch_rl(spec: JobSpec, ray_args: RayArguments, train_ds: "ray.data.Dataset
 
 def _attempt(run: RLRun, ray_args: RayArguments) -> dict:
     """One try: place and start the roles, run the recipe, release everything."""
-    from stages.rl.loop import count_steps
+    from stages.rl.controller.loop import count_steps
 
     spec, rl = run.spec, run.spec.rl
     steps = count_steps(len(run.prompts), rl.rollout_batch_size, spec.training)

@@ -18,13 +18,13 @@ from __future__ import annotations
 import os
 from typing import Optional
 
-from stages.rl.critic import CriticWorker
-from stages.rl.policy import PolicyWorker
-from stages.rl.reward_model import RewardModelWorker
-from stages.rl.roles import Generation, PPORoles
+from stages.rl.workers.critic import CriticWorker
+from stages.rl.workers.policy import PolicyWorker
+from stages.rl.workers.reward_model import RewardModelWorker
+from stages.rl.controller.roles import Generation, PPORoles
 from stages.engines.types import Completion, SamplingSpec
-from stages.rl.types import RolloutSample
-from stages.rl.zero import gathered
+from stages.rl.config.types import RolloutSample
+from stages.rl.workers.zero import gathered
 
 from .actor_group import ActorGroup, RayPending, RoleWorker, concat, gather, split_evenly
 from .weight_sync import CollectiveSync, WeightSender

@@ -28,8 +28,8 @@ import torch
 
 from stages.engines.weight_buckets import DEFAULT_BUCKET_BYTES, Bucket, pack
 from stages.engines.weight_group import buffer_device
-from stages.rl.weights import export_adapter, export_state_dict, state_dict_to_bytes
-from stages.rl.zero import gathered
+from stages.rl.workers.weights import export_adapter, export_state_dict, state_dict_to_bytes
+from stages.rl.workers.zero import gathered
 
 Weights = Union[torch.nn.Module, Mapping[str, torch.Tensor], bytes, "ray.ObjectRef"]
 
@@ -178,7 +178,7 @@ class CollectiveSync(_Transport):
     (rank 0 hosts the group's store), then per push the policy's ``send_weights`` returns the plan
     and ``start(plan, engines)`` has each engine receive by it (``fabric/rl_roles.py``).
     Not run on a GPU here: NCCL differs from the CPU tests in the backend name and the buffers'
-    device only. A DeepSpeed ZeRO-3 policy's shards are gathered (``stages.rl.zero.gathered``, on
+    device only. A DeepSpeed ZeRO-3 policy's shards are gathered (``stages.rl.workers.zero.gathered``, on
     every policy rank at once) for the packing copy; that gather has run on CPU (gloo) only.
     """
 

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Callable, Optional
 from registries.datasets.data_args import DataArguments
 
 from stages.run_args import FinetuningArguments, GeneratingArguments, ModelArguments, TrainingOptions
-from stages.rl.rl_args import RLArguments
+from stages.rl.config.rl_args import RLArguments
 from .table import StageSpec
 
 if TYPE_CHECKING:  # heavy imports, only for the annotations

@@ -98,7 +98,7 @@ class FinetuningArguments:
     # Stage ppo scores completions with reward_model (a stage rm output) and/or reward_funcs.
     # reward_model_type, as in LLaMA-Factory: lora, an rm adapter on the policy's own base model;
     # full, a whole reward model of its own; api, reward_model is the URL of a reward server (or an
-    # LLM judge's /v1/chat/completions) that the controller calls (stages/rl/remote_reward.py).
+    # LLM judge's /v1/chat/completions) that the controller calls (stages/rl/controller/remote_reward.py).
     reward_model: str | None = None
     reward_model_adapters: list[str] | None = None
     reward_model_type: Literal["lora", "full", "api"] = "lora"

@@ -238,7 +238,7 @@ register_stage(StageSpec(
     "grpo", "GRPO: groups of sampled answers scored by reward functions; policy and vLLM rollouts as Ray actors",
     dataset_need="prompt_only", tokenize="unsupervised", collator="training.collators:prompt_collator",
     runner="recipes.grpo:run_grpo", launch="rl_controller",
-    needs_reference=_always,  # when beta > 0; beta 0 loads none (stages/rl/policy.py)
+    needs_reference=_always,  # when beta > 0; beta 0 loads none (stages/rl/workers/policy.py)
     rl=RLSpec(),
 ))
 register_stage(StageSpec(
@@ -248,7 +248,7 @@ register_stage(StageSpec(
     rl=RLSpec(
         critic=True, reward_model=True, kl_in_loss=False,
         updates_per_step=_ppo_updates,
-        rl_defaults="rl.rl_args:ppo_defaults", checks=("rl.checks:check_ppo",),
-        file_checks=("rl.checks:check_ppo_reward_model",),
+        rl_defaults="rl.config.rl_args:ppo_defaults", checks=("rl.config.checks:check_ppo",),
+        file_checks=("rl.config.checks:check_ppo_reward_model",),
     ),
 ))

@@ -1,7 +1,7 @@
 """report_to: which experiment trackers a run writes to, and where their offline files go.
 
 One set of rules for the Ray Train stages (the HF Trainer's own integrations, rank 0 only) and the RL
-loops (stages/rl/trackers.py, in the driver), so both put a run's files in the same places:
+loops (stages/rl/controller/trackers.py, in the driver), so both put a run's files in the same places:
 
 - tensorboard: event files in TENSORBOARD_LOGGING_DIR, else output_dir/runs;
 - mlflow: runs in MLFLOW_TRACKING_URI, else a file store in output_dir/mlruns (never the process's

@@ -63,9 +63,9 @@ def _specs(value: Any) -> list[str]:
 
 
 def _builtins(key: str) -> str:
-    from stages.rl.environments import ENVIRONMENTS
-    from stages.rl.rewards import REWARDS
-    from stages.rl.tools import TOOLS
+    from stages.rl.agents.environments import ENVIRONMENTS
+    from stages.rl.controller.rewards import REWARDS
+    from stages.rl.agents.tools import TOOLS
 
     return ", ".join(sorted({"reward_funcs": REWARDS, "tools": TOOLS, "environment": ENVIRONMENTS}[key]))
 
@@ -77,7 +77,7 @@ def _cap(text: str) -> str:
 def _check_module(key: str, spec: str, folder: str) -> None:
     """``module.path`` of ``spec`` is a file inside ``folder`` that the job will import from there: not a
     module of the standard library or one already loaded, which would be found first."""
-    from stages.rl.specs import module_file
+    from stages.rl.config.specs import module_file
 
     module_name = spec.partition(":")[0]
     top = module_name.split(".")[0]

@@ -23,9 +23,9 @@ SECTIONS = ("model", "method", "rl", "dataset", "output", "train", "ray")
 # The stages with an RL options group (stages/table.py: an ``rl`` entry; a test keeps the two in step).
 RL_STAGES = ("grpo", "ppo")
 RL = ("stage", *RL_STAGES)
-# RL keys whose choices are their Literal type in stages/rl/rl_args.py (filled by `form_spec`) ...
+# RL keys whose choices are their Literal type in stages/rl/config/rl_args.py (filled by `form_spec`) ...
 RL_LITERALS = ("rollout_backend", "async_rollout")
-# ... and those whose choices are the names registered for them (stages/rl/algorithm_registry.py).
+# ... and those whose choices are the names registered for them (stages/rl/algorithms/registry.py).
 RL_REGISTERED = ("advantage_estimator", "loss_type")
 FIELDS: tuple[Field, ...] = (
     Field("model_name_or_path", "model", "text", "tiny:qwen2",
@@ -44,7 +44,7 @@ FIELDS: tuple[Field, ...] = (
     Field("pref_loss", "method", "select", "sigmoid", choices=("sigmoid", "hinge", "ipo", "orpo", "simpo"),
           when=("stage", "dpo")),
     Field("pref_beta", "method", "number", 0.1, when=("stage", "dpo", "kto")),
-    # --- RL (stage grpo / ppo; stages/rl/rl_args.py). Blank: the stage's own default, not written.
+    # --- RL (stage grpo / ppo; stages/rl/config/rl_args.py). Blank: the stage's own default, not written.
     Field("reward_funcs", "rl", "list", "", when=RL,
           help="comma-separated; built-ins exact_match, digit_ratio, final_number, number_format, short_answer, "
                "starts_with_answer, or module.path:function (grpo needs one; ppo: beside or instead of "

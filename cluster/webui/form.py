@@ -53,10 +53,10 @@ def form_spec() -> dict[str, Any]:
 def rl_choices(key: str) -> tuple[str, ...]:
     """The values an RL select offers: the names registered for it, or the Literal of its RLArguments
     field; either way the loader's own check."""
-    from stages.rl.rl_args import RLArguments
+    from stages.rl.config.rl_args import RLArguments
 
     if key in RL_REGISTERED:
-        from stages.rl.algorithm_registry import choices
+        from stages.rl.algorithms.registry import choices
 
         return choices(key)
     return literal_choices(RLArguments, key)

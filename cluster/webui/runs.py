@@ -40,7 +40,7 @@ ENDED = ("SUCCEEDED", "FAILED", "STOPPED")
 # The run page's charts: (id, title, the trainer_log keys it draws). A chart's series are the keys the
 # log holds; a chart without any is not drawn (except loss, which says it waits for the first one).
 # RL runs log reward (eval_reward when they evaluate) and, multi-turn ones, the mean policy turns
-# and tool calls per trajectory (stages/rl/multi_turn.py's rollout_stats).
+# and tool calls per trajectory (stages/rl/agents/multi_turn.py's rollout_stats).
 CHARTS = (
     ("loss", "loss", ("loss", "eval_loss", "value_loss")),
     ("metric", "accuracy and reward", ("rewards/accuracies", "eval_rewards/accuracies", "reward", "eval_reward")),

@@ -10,7 +10,7 @@ write the call and copy the result. Three datasets, drawn from disjoint problems
 * ``calc_prompts`` / ``calc_eval``: questions with their answers (alpaca), the prompts RL trains on
   and the held-out ones its greedy evaluation scores.
 
-``CALCULATOR`` is the tool's schema as the RL loop renders it (stages/rl/tools.py builds its
+``CALCULATOR`` is the tool's schema as the RL loop renders it (stages/rl/agents/tools.py builds its
 built-in calculator from it), so the warm start sees exactly the system prompt RL shows.
 """
 

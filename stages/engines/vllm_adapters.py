@@ -2,7 +2,7 @@
 
 Adapter-only weight sync: instead of merging the adapter into a full copy of the weights and
 reloading all of them (bytes that scale with the model), the policy ships its adapter alone
-(``stages/rl/weights.export_adapter``: one safetensors blob, adapter_config.json in its metadata)
+(``stages/rl/workers/weights.export_adapter``: one safetensors blob, adapter_config.json in its metadata)
 and the engine serves it through vLLM's LoRA support. Each push is a new adapter version with a
 LoRA id of its own (vLLM caches adapters by id, so reusing one would keep serving the old
 tensors); the previous version is removed and its folder deleted. Every rollout after the push

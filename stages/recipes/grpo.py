@@ -7,8 +7,8 @@
     -> [checkpoint]
 
 The roles (policy ranks, rollout engines, the reference inside the policy) come from fabric/
-behind ``RLRoles``; this module only says what a step does. The math is in stages/rl/algorithms.py,
-the reward functions in stages/rl/rewards.py, what every RL loop shares in stages/rl/loop.py.
+behind ``RLRoles``; this module only says what a step does. The math is in stages/rl/algorithms/grpo_math.py,
+the reward functions in stages/rl/controller/rewards.py, what every RL loop shares in stages/rl/controller/loop.py.
 """
 
 from __future__ import annotations
@@ -18,17 +18,17 @@ from typing import Optional
 
 import torch
 
-from stages.rl.algorithm_registry import ADVANTAGE_ESTIMATORS
-from stages.rl.algorithms import compute_advantages, loss_normalizer, uniform_groups
-from stages.rl.loop import RunProgress, count_steps, reward_totals, rollout_logprob_gap
-from stages.rl.rollouts import greedy_samples, sampling_spec
-from stages.rl.overlong import with_overlong_penalty
-from stages.rl.rewards import RewardSet, load_reward_funcs
-from stages.rl.roles import RLRun
-from stages.rl.steplog import PhaseTimer
-from stages.rl.trainable import loss_token_counts, sample_mask
+from stages.rl.algorithms.registry import ADVANTAGE_ESTIMATORS
+from stages.rl.algorithms.grpo_math import compute_advantages, loss_normalizer, uniform_groups
+from stages.rl.controller.loop import RunProgress, count_steps, reward_totals, rollout_logprob_gap
+from stages.rl.controller.rollouts import greedy_samples, sampling_spec
+from stages.rl.algorithms.overlong import with_overlong_penalty
+from stages.rl.controller.rewards import RewardSet, load_reward_funcs
+from stages.rl.controller.roles import RLRun
+from stages.rl.controller.steplog import PhaseTimer
+from stages.rl.workers.trainable import loss_token_counts, sample_mask
 from stages.engines.types import SamplingSpec
-from stages.rl.types import RolloutSample
+from stages.rl.config.types import RolloutSample
 
 logger = logging.getLogger(__name__)
 

@@ -6,7 +6,7 @@
     -> ppo_epochs x ppo_buffer_size mini-batches: critic step (clipped value loss), policy step
     (clipped surrogate) -> KL controller update -> weight sync -> log -> [checkpoint]
 
-The keys keep LLaMA-Factory's meaning (it runs PPO on TRL 0.9, whose conventions stages/rl/ppo_math.py
+The keys keep LLaMA-Factory's meaning (it runs PPO on TRL 0.9, whose conventions stages/rl/algorithms/ppo_math.py
 follows): ppo_epochs, ppo_buffer_size, ppo_target (adaptive KL target, starting from beta),
 ppo_score_norm, ppo_whiten_rewards. With a group estimator (advantage_estimator rloo, group_norm...)
 no critic is built: each completion's advantage comes from its score minus its KL, compared within
@@ -23,20 +23,20 @@ import random
 
 import torch
 
-from stages.rl.algorithm_registry import ADVANTAGE_ESTIMATORS
-from stages.rl.algorithms import compute_advantages, kl_penalty, loss_normalizer
-from stages.rl.loop import (RunProgress, completion_texts, count_steps, reward_totals, rollout_logprob_gap,
+from stages.rl.algorithms.registry import ADVANTAGE_ESTIMATORS
+from stages.rl.algorithms.grpo_math import compute_advantages, kl_penalty, loss_normalizer
+from stages.rl.controller.loop import (RunProgress, completion_texts, count_steps, reward_totals, rollout_logprob_gap,
                             split_evenly)
-from stages.rl.rollouts import greedy_samples, sampling_spec
-from stages.rl.overlong import with_overlong_penalty
-from stages.rl.ppo_math import RunningMoments, gae, kl_controller, normalize_scores, token_rewards
-from stages.rl.remote_reward import HTTPOptions, JudgeReward, RemoteReward, api_reward
-from stages.rl.rewards import load_reward_funcs
-from stages.rl.roles import PPORoles, PromptRow, RLRun
-from stages.rl.steplog import PhaseTimer
-from stages.rl.trainable import loss_token_counts, pad_rows, sample_mask
+from stages.rl.controller.rollouts import greedy_samples, sampling_spec
+from stages.rl.algorithms.overlong import with_overlong_penalty
+from stages.rl.algorithms.ppo_math import RunningMoments, gae, kl_controller, normalize_scores, token_rewards
+from stages.rl.controller.remote_reward import HTTPOptions, JudgeReward, RemoteReward, api_reward
+from stages.rl.controller.rewards import load_reward_funcs
+from stages.rl.controller.roles import PPORoles, PromptRow, RLRun
+from stages.rl.controller.steplog import PhaseTimer
+from stages.rl.workers.trainable import loss_token_counts, pad_rows, sample_mask
 from stages.engines.types import SamplingSpec
-from stages.rl.types import RolloutSample
+from stages.rl.config.types import RolloutSample
 
 logger = logging.getLogger(__name__)
 
@@ -161,7 +161,7 @@ class Scorer:
     (reward_funcs), either or both, plus a multi-turn environment's step rewards. Also scores
     greedy completions of the eval prompts. With reward_model_type api the reward model is a server
     (or LLM judge) at the URL reward_model, called from here, the controller
-    (stages/rl/remote_reward.py); no reward actors exist."""
+    (stages/rl/controller/remote_reward.py); no reward actors exist."""
 
     def __init__(self, run: RLRun):
         self.run = run

@@ -1,5 +1,5 @@
 """The jsonl training log every stage writes (the HF Trainer's through a callback, the RL loops'
-through stages/rl/steplog.py), and its cut back to a checkpoint's step on resume."""
+through stages/rl/controller/steplog.py), and its cut back to a checkpoint's step on resume."""
 
 from __future__ import annotations
 

@@ -14,7 +14,7 @@ Two writers, one ``commit_checkpoint``:
 
 - The HF Trainer (stages pt, sft, rm, dpo, kto, on Ray Train workers) writes ``checkpoint-N`` in
   place; once every rank has written, rank 0 commits it there (stages/training/hf_checkpoints.py).
-- The RL loops (stages grpo, ppo, in the driver: stages/rl/loop.py) have the roles write into a
+- The RL loops (stages grpo, ppo, in the driver: stages/rl/controller/loop.py) have the roles write into a
   hidden ``staging_folder``; committing it writes the manifest there and renames the folder to
   ``checkpoint-N``, so no half-written ``checkpoint-N`` ever appears.
 
@@ -41,7 +41,7 @@ CHECKPOINT_PREFIX = "checkpoint-"
 MANIFEST_NAME = "rayfactory_checkpoint.json"  # written last, by rename: its presence commits the folder
 MANIFEST_FORMAT = 2  # 2 added total_steps; a format-1 manifest (no total) still verifies
 TRAINER_STATE_FILE = "trainer_state.json"  # transformers' TRAINER_STATE_NAME, the file the HF Trainer writes last
-RL_STATE_FILE = "rl_state.json"  # the RL loops' controller state (stages/rl/checkpoint.py)
+RL_STATE_FILE = "rl_state.json"  # the RL loops' controller state (stages/rl/workers/checkpoint.py)
 # Each kind of checkpoint's state file and the key of the run's planned total in it: what a checkpoint
 # without a manifest, or with a format-1 one, is recognised and read by.
 STATE_FILES = {TRAINER_STATE_FILE: "max_steps", RL_STATE_FILE: "total_steps"}

@@ -16,7 +16,7 @@ from fabric.ray_args import RayArguments
 from registries.datasets.data_args import DataArguments
 from stages.run_args import FinetuningArguments, GeneratingArguments, ModelArguments, trainer_fields
 from stages.inference.inference_args import ExportArguments, InferenceArguments
-from stages.rl.rl_args import RLArguments
+from stages.rl.config.rl_args import RLArguments
 from tests.cluster.conftest import BASE, error_of, write
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))

@@ -55,7 +55,7 @@ def test_the_python_tool_isolation_is_tried_when_the_config_is_read(monkeypatch)
     """A run on this machine tries the python tool's sandbox before Ray starts: a missing piece (here
     the root the sandbox is built as) is the config's error, naming the piece and the opt-in; with
     sandbox: unisolated the config loads (warned), and a config only checked elsewhere is not tried."""
-    from stages.rl import sandbox
+    from stages.rl.agents import sandbox
 
     monkeypatch.setattr(sandbox.os, "geteuid", lambda: 1000)
     with pytest.raises(ConfigError, match=r"tools in the config dict: Tool 'python': .*runs as uid 1000.*unisolated"):

@@ -11,7 +11,7 @@ import pytest
 from cluster.config import load_config
 from fabric.placement import RoleSpec
 from fabric.rl_launcher import role_specs
-from stages.rl.rl_args import PPO_DEFAULTS
+from stages.rl.config.rl_args import PPO_DEFAULTS
 from tests.cluster.conftest import BASE, error_of, write
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))

@@ -20,7 +20,7 @@ from cluster.config import ConfigError, load_config
 from cluster.driver import run_exp
 from fabric.placement import PlacementError
 from stages.training.callbacks import read_log
-from stages.rl.loop import every
+from stages.rl.controller.loop import every
 from tests.e2e.conftest import DATA_DIR, example_config
 
 STEP_KEYS = ("reward", "reward_std", "kl", "clip_fraction", "pass_rate", "completion_length", "rewards/digit_ratio",

@@ -1,5 +1,5 @@
 """Asynchronous rollouts end to end (grpo and ppo): a real vLLM engine generates the next batch
-while the policy actor trains on this one (stages/rl/rollouts.py), with rollout correction on by
+while the policy actor trains on this one (stages/rl/controller/rollouts.py), with rollout correction on by
 default.
 
 The schedule and its version stamps are tested in-process against an engine that records the
@@ -25,7 +25,7 @@ def _one_step_run(tmp_path, max_steps: int) -> tuple[str, dict]:
     trained, and the importance weights were applied.
 
     "Applied" is read in the update itself: ``rollout_is_loss_change`` is what the weights changed
-    in the policy loss (stages/rl/algorithms.py), so weights computed and logged but never passed
+    in the policy loss (stages/rl/algorithms/grpo_math.py), so weights computed and logged but never passed
     to the loss (or never multiplied in) leave it absent or 0, and the run's asserts fail."""
     config = example_config("grpo_full.yaml", tmp_path, max_steps=max_steps, logging_steps=1, eval_dataset=None,
                             reward_funcs=["digit_ratio"], reward_weights=None, async_rollout="one_step", top_k=0)

@@ -11,7 +11,7 @@ import pytest
 
 from cluster.driver import run_exp
 from stages.recipes import grpo
-from stages.rl.loop import RunProgress
+from stages.rl.controller.loop import RunProgress
 from stages.training.callbacks import read_log
 from tests.e2e.conftest import example_config
 

@@ -1,4 +1,4 @@
-"""Multi-turn rollouts in the RL loop (stages/rl/episodes.py) end to end: the config names an
+"""Multi-turn rollouts in the RL loop (stages/rl/controller/episodes.py) end to end: the config names an
 environment, every prompt becomes a two-turn conversation (the policy, the environment's
 observation, the policy again), the observation's tokens are masked out of the update, reward
 functions score the final turn and see the episode's columns, and the run learns.
@@ -18,9 +18,9 @@ import pytest
 
 from cluster.driver import run_exp
 from registries.templates.tools import FunctionCall
-from stages.rl.environments import Environment, StepResult, ToolEnvironment
-from stages.rl.sandbox import SandboxUnavailable, check_isolation
-from stages.rl.tools import load_tools
+from stages.rl.agents.environments import Environment, StepResult, ToolEnvironment
+from stages.rl.agents.sandbox import SandboxUnavailable, check_isolation
+from stages.rl.agents.tools import load_tools
 from tests.ci import skip_or_fail_in_ci
 from tests.e2e.conftest import example_config
 from tests.e2e.test_grpo import _rewards, _rises

@@ -35,11 +35,11 @@ from safetensors.torch import load_file
 from cluster.config import load_config
 from cluster.driver import run_exp
 from stages.engines.hf_backend import HFEngine
-from stages.rl.reward_model import RewardModelWorker
+from stages.rl.workers.reward_model import RewardModelWorker
 from stages.engines.types import SamplingSpec
-from stages.rl.types import RolloutSample
+from stages.rl.config.types import RolloutSample
 from stages.training.callbacks import read_log
-from stages.rl.critic import CRITIC_DIR
+from stages.rl.workers.critic import CRITIC_DIR
 from stages.training.value_head import VALUE_HEAD_FILE
 from tests.e2e.conftest import example_config
 

@@ -27,7 +27,7 @@ from safetensors.torch import load_file
 
 from cluster.driver import run_exp
 from stages.training.callbacks import read_log
-from stages.rl.checkpoint import STATE_FILE
+from stages.rl.workers.checkpoint import STATE_FILE
 from tests.e2e.conftest import DATA_DIR, assert_rerun_of_a_finished_run_trains_nothing, kill_run_at_its_stall
 
 PARAM_TOL = 1e-6

@@ -16,7 +16,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from registries.models.tiny import tiny_model_path
-from stages.rl.logprobs import completion_logprobs
+from stages.rl.workers.logprobs import completion_logprobs
 from stages.engines.types import SamplingSpec
 from tests.ci import skip_or_fail_in_ci
 

@@ -250,7 +250,7 @@ def test_an_llm_judge_reward_reads_our_chat_replies(server, client):
     """reward_model_type api with a .../chat/completions URL: JudgeReward asks this server (the first
     model it lists) to grade each answer. The tiny random model rarely writes "Score: N", so the
     plumbing is what is checked: each reply was read and parsed exactly as a direct request's."""
-    from stages.rl.remote_reward import DEFAULT_RUBRIC, HTTPOptions, JudgeReward, api_reward, parse_score
+    from stages.rl.controller.remote_reward import DEFAULT_RUBRIC, HTTPOptions, JudgeReward, api_reward, parse_score
 
     judge = api_reward(server + "/v1/chat/completions", HTTPOptions(timeout=60, retries=0, api_key=API_KEY))
     assert isinstance(judge, JudgeReward)

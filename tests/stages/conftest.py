@@ -8,7 +8,7 @@ import pytest
 @pytest.fixture(scope="module")
 def isolated():
     """The python sandbox isolates here; else the test skips, and fails under CI=true (tests/ci.py)."""
-    from stages.rl.sandbox import SandboxUnavailable, check_isolation
+    from stages.rl.agents.sandbox import SandboxUnavailable, check_isolation
     from tests.ci import skip_or_fail_in_ci
 
     try:

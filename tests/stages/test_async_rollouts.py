@@ -1,4 +1,4 @@
-"""Asynchronous rollouts (stages/rl/rollouts.py): the schedule, the version stamps and the bound.
+"""Asynchronous rollouts (stages/rl/controller/rollouts.py): the schedule, the version stamps and the bound.
 
 The roles here are an in-process engine with the property the Ray roles rely on: one worker thread
 runs its calls (generations and weight pushes) in the order they were sent. Every completion
@@ -18,10 +18,10 @@ import pytest
 
 from cluster.config import ConfigError, load_config
 from stages.engines.types import Completion, SamplingSpec
-from stages.rl.rl_args import RLArguments
-from stages.rl.roles import Generation, PromptRow
-from stages.rl.rollouts import RolloutSource
-from stages.rl.steplog import PhaseTimer
+from stages.rl.config.rl_args import RLArguments
+from stages.rl.controller.roles import Generation, PromptRow
+from stages.rl.controller.rollouts import RolloutSource
+from stages.rl.controller.steplog import PhaseTimer
 from tests.stages.test_rl_loss_variants import GRPO
 
 N = 2  # completions per prompt

@@ -26,7 +26,7 @@ from stages.training.checkpoints import (
     verify_checkpoint,
     write_manifest,
 )
-from stages.rl.checkpoint import STATE_FILE, read_state, write_state
+from stages.rl.workers.checkpoint import STATE_FILE, read_state, write_state
 
 
 def rl_checkpoint(output_dir, step: int, total: int = 10, limit: int | None = None) -> str:

@@ -15,12 +15,12 @@ from cluster.config import ConfigError, load_config
 from registries.datasets import DataArguments
 from stages.engines.types import Completion, SamplingSpec
 from stages.loading import load_tokenizer_and_template
-from stages.rl.environments import Environment, StepResult
-from stages.rl.loop import reward_columns
-from stages.rl.multi_turn import multi_turn_rollout
-from stages.rl.rewards import load_reward_funcs
-from stages.rl.roles import PromptRow
-from stages.rl.steplog import PhaseTimer
+from stages.rl.agents.environments import Environment, StepResult
+from stages.rl.controller.loop import reward_columns
+from stages.rl.agents.multi_turn import multi_turn_rollout
+from stages.rl.controller.rewards import load_reward_funcs
+from stages.rl.controller.roles import PromptRow
+from stages.rl.controller.steplog import PhaseTimer
 from tests.stages.test_rl_loss_variants import GRPO
 
 HERE = "tests.stages.test_environment_rewards"

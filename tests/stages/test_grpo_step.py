@@ -10,7 +10,7 @@ import torch
 
 from cluster.config import load_config
 from stages.recipes import grpo
-from stages.rl.types import RolloutSample
+from stages.rl.config.types import RolloutSample
 from tests.stages.test_rl_loss_variants import GRPO
 
 N = 4  # completions per prompt

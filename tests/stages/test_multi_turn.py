@@ -1,4 +1,4 @@
-"""Multi-turn rollouts (stages/rl/multi_turn.py) on the tiny random-init Qwen2 and its template:
+"""Multi-turn rollouts (stages/rl/agents/multi_turn.py) on the tiny random-init Qwen2 and its template:
 token in, token out; the loss mask marks exactly the observation turns; max_turns and the token
 budget stop a trajectory; the calculator's result comes back as the template's observation turn;
 observation tokens get no gradient."""
@@ -16,12 +16,12 @@ from registries.models import tiny_model_path
 from stages.engines.hf_backend import HFEngine
 from stages.engines.types import Completion, SamplingSpec
 from stages.loading import load_tokenizer_and_template
-from stages.rl.algorithms import policy_loss
-from stages.rl.environments import Environment, StepResult, ToolEnvironment
-from stages.rl.multi_turn import assistant_tail_ids, multi_turn_rollout, observation_ids, rollout_stats
-from stages.rl.tools import calculator, tools_json
-from stages.rl.trainable import completion_mask, loss_token_counts, sample_mask
-from stages.rl.types import RolloutSample
+from stages.rl.algorithms.grpo_math import policy_loss
+from stages.rl.agents.environments import Environment, StepResult, ToolEnvironment
+from stages.rl.agents.multi_turn import assistant_tail_ids, multi_turn_rollout, observation_ids, rollout_stats
+from stages.rl.agents.tools import calculator, tools_json
+from stages.rl.workers.trainable import completion_mask, loss_token_counts, sample_mask
+from stages.rl.config.types import RolloutSample
 
 ROWS = [{"prompt": "Count with me.", "reference": ""}, {"prompt": "Say something.", "reference": ""}]
 
@@ -205,8 +205,8 @@ def test_an_all_ones_loss_mask_changes_nothing():
 def test_advantages_skip_observation_tokens_as_if_they_were_not_there():
     """GAE and REINFORCE++ over a row with an observation gap equal them over the row with the
     gap cut out (the same tokens, the same values), and are 0 in the gap."""
-    from stages.rl.ppo_math import gae
-    from stages.rl.reinforce_pp import reinforce_pp_advantages
+    from stages.rl.algorithms.ppo_math import gae
+    from stages.rl.algorithms.reinforce_pp import reinforce_pp_advantages
 
     torch.manual_seed(0)
     gapped = torch.tensor([[1, 1, 0, 0, 1, 1, 1], [1, 1, 1, 1, 1, 0, 0]], dtype=torch.float32)

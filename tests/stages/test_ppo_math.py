@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from registries.errors import UserError
-from stages.rl.algorithms import policy_loss
-from stages.rl.ppo_math import (
+from stages.rl.algorithms.grpo_math import policy_loss
+from stages.rl.algorithms.ppo_math import (
     AdaptiveKLController,
     FixedKLController,
     RunningMoments,

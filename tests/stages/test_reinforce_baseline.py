@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from cluster.config import load_config
-from stages.rl.steplog import PhaseTimer
-from stages.rl.types import RolloutSample
+from stages.rl.controller.steplog import PhaseTimer
+from stages.rl.config.types import RolloutSample
 from tests.stages.test_rl_loss_variants import GRPO
 
 N = 4  # completions per prompt

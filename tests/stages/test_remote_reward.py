@@ -11,7 +11,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import pytest
 
 from registries.errors import UserError
-from stages.rl.remote_reward import (
+from stages.rl.controller.remote_reward import (
     HTTPOptions,
     JudgeReward,
     RemoteReward,
@@ -19,7 +19,7 @@ from stages.rl.remote_reward import (
     parse_score,
     post_json,
 )
-from stages.rl.rewards import load_reward_funcs
+from stages.rl.controller.rewards import load_reward_funcs
 
 QUICK = HTTPOptions(timeout=0.5, retries=2, backoff=0.05, concurrency=4, batch_size=2)
 
@@ -227,7 +227,7 @@ def test_remote_rewards_are_reward_functions(server, tmp_path, monkeypatch):
     server.routes["/reward"] = lambda s, body, h: (200, {"rewards": [float(l == "4") for l in body["labels"]]})
     module = tmp_path / "rf_test_remote_rewards.py"
     url = server.url + "/reward"
-    module.write_text(f"from stages.rl.remote_reward import RemoteReward\nscore = RemoteReward({url!r})\n")
+    module.write_text(f"from stages.rl.controller.remote_reward import RemoteReward\nscore = RemoteReward({url!r})\n")
     monkeypatch.syspath_prepend(str(tmp_path))
     rewards = load_reward_funcs(["rf_test_remote_rewards:score"])
     scores = rewards.score(["2+2="] * 2, ["4", "5"], {"reference": ["4", "x"], "completion_ids": [[1], [2]]})
@@ -244,7 +244,7 @@ def test_post_json_get(server):
     ("/v1/chat/completions", JudgeReward, None), ("/v1/chat/completions/", JudgeReward, None),
 ])
 def test_api_reward_picks_the_scorer_by_the_url(path, kind, protocol):
-    from stages.rl.remote_reward import api_reward
+    from stages.rl.controller.remote_reward import api_reward
 
     scorer = api_reward("http://host:8000" + path, QUICK)
     assert type(scorer) is kind and scorer.options is QUICK
@@ -254,7 +254,7 @@ def test_api_reward_picks_the_scorer_by_the_url(path, kind, protocol):
 def test_api_reward_builds_the_judge_from_the_reward_judge_keys(server):
     """reward_judge_rubric / _model / _max_score reach the judge: the rubric as sent, the named
     model asked (no /v1/models lookup), replies scaled by the top score."""
-    from stages.rl.remote_reward import api_reward
+    from stages.rl.controller.remote_reward import api_reward
 
     def chat(s, body, h):
         assert body["model"] == "grader-7b"

@@ -1,4 +1,4 @@
-"""The RL algorithm registries (stages/rl/algorithm_registry.py, issue 58): one register_* call per
+"""The RL algorithm registries (stages/rl/algorithms/registry.py, issue 58): one register_* call per
 entry, duplicates refused, and the config checks, the web UI's selects and docs/rl.md's table all
 read the registered names and facts."""
 
@@ -11,7 +11,7 @@ import sys
 import pytest
 
 from cluster.config import ConfigError, load_config
-from stages.rl import algorithm_registry as reg
+from stages.rl.algorithms.grpo_math import registry as reg
 from tests.stages.test_rl_loss_variants import GRPO
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -58,7 +58,7 @@ def test_an_unregistered_name_is_refused_listing_the_registered_ones(key, bad):
     assert str(info.value).startswith(f"wrong value for {key!r} in the config dict: got {bad!r} (a string), "
                                       f"expected one of {names}")
     from registries.errors import ArgumentError
-    from stages.rl.rl_args import RLArguments
+    from stages.rl.config.rl_args import RLArguments
 
     with pytest.raises(ArgumentError, match=f"expected one of {names}"):  # built directly, not loaded
         RLArguments(**{key: bad})

@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from stages.rl.algorithms import compute_advantages, kl_penalty, loss_normalizer, policy_loss, uniform_groups
+from stages.rl.algorithms.grpo_math import compute_advantages, kl_penalty, loss_normalizer, policy_loss, uniform_groups
 
 EPS = 1e-4
 # Two groups of four: [1, 0, 0, 1] (mean 0.5) and [0, 0, 0, 4] (mean 1).

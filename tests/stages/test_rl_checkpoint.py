@@ -1,4 +1,4 @@
-"""stages.rl.checkpoint: what a trainable role saves and loads, round trips that continue a run bit
+"""stages.rl.workers.checkpoint: what a trainable role saves and loads, round trips that continue a run bit
 for bit. (Committing, resolving and pruning RL checkpoints: tests/stages/test_checkpoint_protocol.py.)"""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 from stages.training.checkpoints import ResumeError
-from stages.rl.checkpoint import load_role_state, save_role_state
+from stages.rl.workers.checkpoint import load_role_state, save_role_state
 
 
 # ----- role state -----

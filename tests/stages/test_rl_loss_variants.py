@@ -13,11 +13,11 @@ import pytest
 import torch
 
 from cluster.config import ConfigError, load_config
-from stages.rl.algorithms import loss_normalizer, policy_loss
-from stages.rl.logprobs import token_logprobs
-from stages.rl.overlong import overlong_penalty, with_overlong_penalty
-from stages.rl.reinforce_pp import reinforce_pp_advantages
-from stages.rl.types import RolloutSample
+from stages.rl.algorithms.grpo_math import loss_normalizer, policy_loss
+from stages.rl.workers.logprobs import token_logprobs
+from stages.rl.algorithms.overlong import overlong_penalty, with_overlong_penalty
+from stages.rl.algorithms.reinforce_pp import reinforce_pp_advantages
+from stages.rl.config.types import RolloutSample
 
 MAX_LEN = 8
 
@@ -257,7 +257,7 @@ def test_grpo_recipe_gives_reinforce_plus_plus_token_advantages():
 def test_ppo_recipe_whitens_the_kl_shaped_returns():
     """Stage ppo's REINFORCE++ (OpenRLHF's): -kl_coef x k1 on every token, the score on the last, returns whitened."""
     from stages.recipes.ppo import _experience
-    from stages.rl.steplog import PhaseTimer
+    from stages.rl.controller.steplog import PhaseTimer
 
     old = [[-1.0, -2.0, -0.5], [-0.3], [-1.2, -0.7]]
     ref = [[-1.5, -1.0, -0.5], [-0.1], [-1.0, -0.9]]

@@ -10,10 +10,10 @@ import torch
 
 from cluster.config import load_config
 from registries.datasets.data_args import DataArguments
-from stages.rl.critic import CriticWorker, completion_values
-from stages.rl.logprobs import budget_slices, completion_logprobs, pack_completions
-from stages.rl.trainable import forward_rows
-from stages.rl.types import RolloutSample
+from stages.rl.workers.critic import CriticWorker, completion_values
+from stages.rl.workers.logprobs import budget_slices, completion_logprobs, pack_completions
+from stages.rl.workers.trainable import forward_rows
+from stages.rl.config.types import RolloutSample
 from stages.training import per_example_attention
 from stages.training.per_example_attention import PER_EXAMPLE_SDPA, attending, attention_implementation
 from stages.training.value_head import ValueHeadModel

@@ -14,11 +14,11 @@ from cluster.config import load_config
 from registries.errors import UserError
 from stages.loading import parse_tiny_name, resolve_model_path
 from stages.engines.hf_backend import HFEngine
-from stages.rl.logprobs import completion_logprobs
-from stages.rl.policy import PolicyWorker
+from stages.rl.workers.logprobs import completion_logprobs
+from stages.rl.workers.policy import PolicyWorker
 from stages.engines.types import SamplingSpec
-from stages.rl.types import RolloutSample
-from stages.rl.algorithms import loss_normalizer
+from stages.rl.config.types import RolloutSample
+from stages.rl.algorithms.grpo_math import loss_normalizer
 
 DATA_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "data")
 
@@ -129,7 +129,7 @@ def test_tiny_names_carry_shape_options():
 
 
 def test_token_budget_slices_fit_the_budget_and_keep_the_order():
-    from stages.rl.logprobs import budget_slices
+    from stages.rl.workers.logprobs import budget_slices
 
     lengths = [5, 9, 3, 12, 4, 4, 20, 2]
     parts = budget_slices(lengths, max_rows=3, max_tokens=18)

@@ -7,7 +7,7 @@ import textwrap
 import pytest
 
 from registries.errors import UserError
-from stages.rl.rewards import (
+from stages.rl.controller.rewards import (
     REWARDS,
     RewardFunctionError,
     exact_match,
@@ -185,7 +185,7 @@ def test_reward_set_pickles_for_workers(user_module):
 
 
 def test_tool_use_reads_the_episodes_tool_calls_and_names_what_a_single_turn_run_lacks():
-    from stages.rl.rewards import RewardFunctionError
+    from stages.rl.controller.rewards import RewardFunctionError
 
     scores = load_reward_funcs(["tool_use"]).score(PROMPTS, COMPLETIONS, {**COLUMNS, "tool_calls": [0, 1, 3, 0]})
     assert scores.total == [0.0, 1.0, 1.0, 0.0]

@@ -13,7 +13,7 @@ import pytest
 
 from registries.errors import UserError
 from registries.templates.tools import FunctionCall, get_tool_format, parse_tools
-from stages.rl.environments import (
+from stages.rl.agents.environments import (
     ENVIRONMENTS,
     Environment,
     EnvironmentSpecError,
@@ -22,11 +22,11 @@ from stages.rl.environments import (
     check_step,
     load_environment,
 )
-from stages.rl import sandbox
-from stages.rl import tools as tools_module
-from stages.rl.sandbox import SandboxLimits
-from stages.rl.sandbox_cgroup import CgroupUnavailable
-from stages.rl.tools import (
+from stages.rl.agents import sandbox
+from stages.rl.agents import tools as tools_module
+from stages.rl.agents.sandbox import SandboxLimits
+from stages.rl.agents.sandbox_cgroup import CgroupUnavailable
+from stages.rl.agents.tools import (
     TOOLS,
     Tool,
     ToolError,
@@ -42,8 +42,8 @@ from stages.rl.tools import (
 
 USER_MODULE = "rf_test_user_tools"
 USER_SOURCE = '''
-from stages.rl.environments import Environment, StepResult
-from stages.rl.tools import tool
+from stages.rl.agents.environments import Environment, StepResult
+from stages.rl.agents.tools import tool
 
 
 @tool("Reverse a string.", {"type": "object", "properties": {"text": {"type": "string"}}, "required": ["text"]})
@@ -208,7 +208,7 @@ def test_load_tools_holds_the_python_tool_to_the_configs_sandbox(monkeypatch, tm
     marker = tmp_path / "ran"
     refused = TOOLS["python"]({"code": f"open({str(marker)!r}, 'w').write('ran')"})
     assert refused.startswith("Error: SandboxUnavailable:") and not marker.exists()
-    with caplog.at_level(logging.WARNING, logger="stages.rl.tools"):
+    with caplog.at_level(logging.WARNING, logger="stages.rl.agents.tools"):
         calculator_tool, python_tool = load_tools(["calculator", "python"], sandbox="unisolated")
     assert "WITHOUT isolation" in caplog.text
     assert calculator_tool is calculator and python_tool({"code": "print(6 * 7)"}) == "42\n"
@@ -217,8 +217,8 @@ def test_load_tools_holds_the_python_tool_to_the_configs_sandbox(monkeypatch, tm
 
 def test_a_runs_sandbox_key_reaches_its_python_tool(monkeypatch, caplog):
     """RLArguments.sandbox -> Episodes -> environment_factory -> load_tools: the key decides."""
-    from stages.rl.episodes import environment_factory
-    from stages.rl.rl_args import RLArguments
+    from stages.rl.controller.episodes import environment_factory
+    from stages.rl.config.rl_args import RLArguments
 
     assert RLArguments().sandbox == "isolated"
     def no_cgroup(*args):
@@ -228,7 +228,7 @@ def test_a_runs_sandbox_key_reaches_its_python_tool(monkeypatch, caplog):
     template = types.SimpleNamespace(extract_tool_calls=lambda reply: [])
     with pytest.raises(ToolError, match="memory and pids cgroup: none here"):
         environment_factory("tools", {}, ["python"], template, sandbox="isolated")
-    with caplog.at_level(logging.WARNING, logger="stages.rl.tools"):
+    with caplog.at_level(logging.WARNING, logger="stages.rl.agents.tools"):
         env = environment_factory("tools", {}, ["python"], template, sandbox="unisolated")()
     assert "WITHOUT isolation" in caplog.text and env.tools[0]({"code": "print(6 * 7)"}) == "42\n"
 
@@ -311,7 +311,7 @@ def test_the_calculator_demo_data_shows_the_tool_as_the_rl_loop_renders_it():
     import json as _json
 
     from registries.synthetic.calculator import TOOLS_TEXT, demonstrations, problems
-    from stages.rl.tools import calculator, tools_json
+    from stages.rl.agents.tools import calculator, tools_json
 
     assert TOOLS_TEXT == tools_json([calculator])
     for row in demonstrations(problems("t", 20)):

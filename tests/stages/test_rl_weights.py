@@ -12,8 +12,8 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from registries.models.tiny import tiny_model_path
-from stages.rl.logprobs import completion_logprobs, token_logprobs
-from stages.rl.weights import bytes_to_state_dict, export_state_dict, state_dict_to_bytes
+from stages.rl.workers.logprobs import completion_logprobs, token_logprobs
+from stages.rl.workers.weights import bytes_to_state_dict, export_state_dict, state_dict_to_bytes
 
 PROMPTS = [[1, 20, 30, 40, 50], [1, 7], [3, 9, 27]]
 COMPLETIONS = [[11, 12, 13], [5, 6, 7, 8, 9, 10], []]

@@ -17,9 +17,9 @@ import pytest
 import torch
 
 from cluster.config import load_config
-from stages.rl.algorithms import loss_normalizer
-from stages.rl.policy import PolicyWorker
-from stages.rl.types import RolloutSample
+from stages.rl.algorithms.grpo_math import loss_normalizer
+from stages.rl.workers.policy import PolicyWorker
+from stages.rl.config.types import RolloutSample
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 DATA_DIR = os.path.join(REPO_ROOT, "data")
@@ -86,7 +86,7 @@ def samples(seed: int = 0) -> list[RolloutSample]:
 
 def weights(worker: PolicyWorker) -> dict[str, torch.Tensor]:
     """The trainable weights, whole (ZeRO-3 shards gathered)."""
-    from stages.rl.zero import gathered
+    from stages.rl.workers.zero import gathered
 
     with gathered(worker.model):
         return {n: p.detach().clone() for n, p in worker.model.named_parameters() if p.requires_grad}
@@ -151,7 +151,7 @@ def test_a_zero3_lora_policy_reads_and_exports_whole_weights(tmp_path):
     from fabric.weight_sync import WeightSender
     from stages.engines.types import SamplingSpec
     from stages.engines.weight_buckets import plan_bytes
-    from stages.rl.weights import bytes_to_state_dict, export_state_dict
+    from stages.rl.workers.weights import bytes_to_state_dict, export_state_dict
 
     lora = {"finetuning_type": "lora", "lora_rank": 4, "beta": 0.04}
     plain, sharded = policy(tmp_path, **lora), policy(tmp_path, 3, **lora)
@@ -231,7 +231,7 @@ def test_a_zero3_critic_values_update_and_save_equal_the_plain_ones(tmp_path):
     its saved folder (gathered) equal the plain critic's."""
     from safetensors.torch import load_file
 
-    from stages.rl.critic import CriticWorker
+    from stages.rl.workers.critic import CriticWorker
     from stages.training.value_head import VALUE_HEAD_FILE
 
     def critic(zero):
@@ -260,7 +260,7 @@ def test_a_zero3_critic_values_update_and_save_equal_the_plain_ones(tmp_path):
 
 def test_auto_values_are_filled_from_the_trainer_options_and_unknown_ones_named(tmp_path):
     from cluster.config_types import ConfigError
-    from stages.rl.zero import ZeroConfigError, engine_config
+    from stages.rl.workers.zero import ZeroConfigError, engine_config
 
     spec = load_config(config(tmp_path, 3, max_grad_norm=0.7, per_device_train_batch_size=5)).job_spec()
     model = torch.nn.Linear(2, 2)
@@ -342,7 +342,7 @@ def test_two_zero_ranks_step_as_one_plain_process(tmp_path, zero):
 
     from transformers import AutoModelForCausalLM
 
-    from stages.rl.weights import bytes_to_state_dict, export_state_dict
+    from stages.rl.workers.weights import bytes_to_state_dict, export_state_dict
 
     plain = policy(tmp_path, **TWO_RANKS)
     start = weights(plain)

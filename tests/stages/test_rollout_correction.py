@@ -1,4 +1,4 @@
-"""Rollout correction (stages/rl/rollout_correction.py): the weights' closed form for every mode,
+"""Rollout correction (stages/rl/algorithms/rollout_correction.py): the weights' closed form for every mode,
 TRL 1.16's own code on random inputs (the weights, and the loss they enter), the keys from a config,
 and the real policy update: unchanged when the sampler agrees with the trainer, re-weighted as the
 closed form says when it does not."""
@@ -14,9 +14,9 @@ import pytest
 import torch
 
 from cluster.config import ConfigError, load_config
-from stages.rl.algorithms import loss_normalizer
-from stages.rl.rl_args import default_correction
-from stages.rl.rollout_correction import MODES, RolloutCorrection, sampler_logprobs
+from stages.rl.algorithms.grpo_math import loss_normalizer
+from stages.rl.config.rl_args import default_correction
+from stages.rl.algorithms.rollout_correction import MODES, RolloutCorrection, sampler_logprobs
 from tests.stages.test_rl_loss_variants import GRPO, grads, ours, random_batch, trl_loss
 from tests.stages.test_rl_policy import policy, samples
 

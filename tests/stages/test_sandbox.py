@@ -21,9 +21,9 @@ from pathlib import Path
 
 import pytest
 
-from stages.rl import sandbox
-from stages.rl.sandbox import SandboxLimits, SandboxUnavailable, run_python
-from stages.rl.sandbox_cgroup import CgroupUnavailable
+from stages.rl.agents import sandbox
+from stages.rl.agents.sandbox import SandboxLimits, SandboxUnavailable, run_python
+from stages.rl.agents.sandbox_cgroup import CgroupUnavailable
 from tests.stages.test_sandbox_limits import FAST, NAME_ITSELF, _marker, _processes_named, run
 
 @pytest.fixture
@@ -292,7 +292,7 @@ def test_unisolated_runs_keep_their_limits():
 def test_cgroup_v2_is_used_where_the_unified_hierarchy_has_memory_and_pids(monkeypatch, tmp_path):
     """This machine's memory controller is cgroup v1, so the v2 layout is checked on a stand-in
     tree: the run's cgroup is made below the caller's, with memory.max, memory.swap.max 0, pids.max."""
-    from stages.rl import sandbox_cgroup
+    from stages.rl.agents import sandbox_cgroup
 
     own = tmp_path / "unified" / "user.slice"
     own.mkdir(parents=True)

@@ -11,8 +11,8 @@ import time
 import uuid
 from dataclasses import replace
 
-from stages.rl import sandbox
-from stages.rl.sandbox import SandboxLimits, run_python
+from stages.rl.agents import sandbox
+from stages.rl.agents.sandbox import SandboxLimits, run_python
 
 FAST = SandboxLimits(wall_seconds=3.0, cpu_seconds=1, memory_bytes=256 << 20, max_output_bytes=64 * 1024,
                      file_size_bytes=1 << 20, disk_bytes=8 << 20, max_processes=16)

@@ -1,4 +1,4 @@
-"""SAPO (stages/rl/sapo.py, loss_type sapo): our loss against a transcription of TRL's GRPOTrainer
+"""SAPO (stages/rl/algorithms/sapo.py, loss_type sapo): our loss against a transcription of TRL's GRPOTrainer
 formula on random inputs, and its config keys through the loader and the web UI."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from cluster.config import ConfigError, load_config
-from stages.rl.algorithms import policy_loss
+from stages.rl.algorithms.grpo_math import policy_loss
 from tests.stages.test_rl_loss_variants import GRPO
 
 
@@ -86,8 +86,8 @@ def test_the_policy_worker_trains_sapo_with_the_configured_temperatures(tmp_path
     """The worker passes the loss's registered options (its temperatures) from the config to the loss."""
     import dataclasses
 
-    from stages.rl import algorithm_registry as reg
-    from stages.rl.algorithms import loss_normalizer
+    from stages.rl.algorithms.grpo_math import registry as reg
+    from stages.rl.algorithms.grpo_math import loss_normalizer
     from tests.stages.test_rl_policy import policy, samples
 
     seen = []

@@ -23,7 +23,7 @@ def test_every_stage_resolves_its_recipe_collator_and_checks():
 
 
 def test_rl_entries_say_roles_updates_and_where_the_kl_goes():
-    from stages.rl.rl_args import RLArguments
+    from stages.rl.config.rl_args import RLArguments
 
     grpo, ppo = STAGES["grpo"].rl, STAGES["ppo"].rl
     rl = RLArguments(num_iterations=3, ppo_epochs=2, ppo_buffer_size=4)

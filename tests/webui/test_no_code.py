@@ -118,10 +118,10 @@ def test_with_the_opt_in_ray_init_kwargs_stay_in_the_folders_and_run_no_command(
 
 
 def test_finding_a_module_runs_none_of_its_packages(folder, monkeypatch):
-    """stages.rl.specs.module_file: importlib.util.find_spec("evilpkg.rewards") would import evilpkg."""
+    """stages.rl.config.specs.module_file: importlib.util.find_spec("evilpkg.rewards") would import evilpkg."""
     import sys
 
-    from stages.rl.specs import module_file
+    from stages.rl.config.specs import module_file
 
     assert module_file("evilpkg.rewards", [str(folder)]) == str(folder / "evilpkg" / "rewards.py")
     monkeypatch.syspath_prepend(str(folder))

@@ -63,7 +63,7 @@ def test_rl_fields_follow_the_stage_table_and_the_rl_arguments():
     import dataclasses
     import typing
 
-    from stages.rl.rl_args import RLArguments
+    from stages.rl.config.rl_args import RLArguments
     from stages.run_args import FinetuningArguments
     from stages.table import STAGES
 
