@@ -20,13 +20,14 @@ import torch
 
 from stages.rl.algorithms.registry import ADVANTAGE_ESTIMATORS
 from stages.rl.algorithms.grpo_math import compute_advantages, loss_normalizer, uniform_groups
-from stages.rl.controller.loop import RunProgress, count_steps, reward_totals, rollout_logprob_gap
+from stages.rl.controller.loop import RunProgress, count_steps, reward_totals
 from stages.rl.controller.rollouts import greedy_samples, sampling_spec
 from stages.rl.algorithms.overlong import with_overlong_penalty
 from stages.rl.controller.rewards import RewardSet, load_reward_funcs
 from stages.rl.controller.roles import RLRun
 from stages.rl.controller.steplog import PhaseTimer
-from stages.rl.workers.trainable import loss_token_counts, sample_mask
+from stages.rl.algorithms.masks import loss_token_counts, sample_mask
+from stages.rl.algorithms.rollout_correction import rollout_logprob_gap
 from stages.engines.types import SamplingSpec
 from stages.rl.config.types import RolloutSample
 

@@ -25,8 +25,7 @@ import torch
 
 from stages.rl.algorithms.registry import ADVANTAGE_ESTIMATORS
 from stages.rl.algorithms.grpo_math import compute_advantages, kl_penalty, loss_normalizer
-from stages.rl.controller.loop import (RunProgress, completion_texts, count_steps, reward_totals, rollout_logprob_gap,
-                            split_evenly)
+from stages.rl.controller.loop import RunProgress, completion_texts, count_steps, reward_totals, split_evenly
 from stages.rl.controller.rollouts import greedy_samples, sampling_spec
 from stages.rl.algorithms.overlong import with_overlong_penalty
 from stages.rl.algorithms.ppo_math import RunningMoments, gae, kl_controller, normalize_scores, token_rewards
@@ -34,7 +33,8 @@ from stages.rl.controller.remote_reward import HTTPOptions, JudgeReward, RemoteR
 from stages.rl.controller.rewards import load_reward_funcs
 from stages.rl.controller.roles import PPORoles, PromptRow, RLRun
 from stages.rl.controller.steplog import PhaseTimer
-from stages.rl.workers.trainable import loss_token_counts, pad_rows, sample_mask
+from stages.rl.algorithms.masks import loss_token_counts, pad_rows, sample_mask
+from stages.rl.algorithms.rollout_correction import rollout_logprob_gap
 from stages.engines.types import SamplingSpec
 from stages.rl.config.types import RolloutSample
 

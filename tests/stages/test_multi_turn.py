@@ -20,7 +20,7 @@ from stages.rl.algorithms.grpo_math import policy_loss
 from stages.rl.agents.environments import Environment, StepResult, ToolEnvironment
 from stages.rl.agents.multi_turn import assistant_tail_ids, multi_turn_rollout, observation_ids, rollout_stats
 from stages.rl.agents.tools import calculator, tools_json
-from stages.rl.workers.trainable import completion_mask, loss_token_counts, sample_mask
+from stages.rl.algorithms.masks import completion_mask, loss_token_counts, sample_mask
 from stages.rl.config.types import RolloutSample
 
 ROWS = [{"prompt": "Count with me.", "reference": ""}, {"prompt": "Say something.", "reference": ""}]

@@ -11,7 +11,7 @@ import sys
 import pytest
 
 from cluster.config import ConfigError, load_config
-from stages.rl.algorithms.grpo_math import registry as reg
+from stages.rl.algorithms import registry as reg
 from tests.stages.test_rl_loss_variants import GRPO
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -98,7 +98,7 @@ def test_docs_table_is_the_registries():
         text = f.read()
     begin, end = "<!-- registered algorithms: begin -->\n", "\n<!-- registered algorithms: end -->"
     table = text[text.index(begin) + len(begin):text.index(end)]
-    assert table == reg.markdown_table(), "docs/rl.md's table is stale: paste algorithm_registry.markdown_table()"
+    assert table == reg.markdown_table(), "docs/rl.md's table is stale: paste registry.markdown_table()"
 
 
 def test_a_loss_type_typo_is_named_without_importing_torch():

@@ -86,7 +86,7 @@ def test_the_policy_worker_trains_sapo_with_the_configured_temperatures(tmp_path
     """The worker passes the loss's registered options (its temperatures) from the config to the loss."""
     import dataclasses
 
-    from stages.rl.algorithms.grpo_math import registry as reg
+    from stages.rl.algorithms import registry as reg
     from stages.rl.algorithms.grpo_math import loss_normalizer
     from tests.stages.test_rl_policy import policy, samples
 

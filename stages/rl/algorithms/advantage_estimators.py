@@ -1,7 +1,7 @@
 """The built-in advantage estimators, one ``register_adv_est`` each (stages/rl/algorithms/registry.py).
 
 Group estimators get the rewards grouped [num_groups, n] (Bessel-corrected stds, ``eps`` on the
-std) and return advantages of the same shape; ``algorithms.compute_advantages`` checks the input and
+std) and return advantages of the same shape; ``grpo_math.compute_advantages`` checks the input and
 zeroes uniform groups. Per-token ones return [B, T] from scores, the per-token KL (zeros where the
 KL is in the loss) and the mask. No torch at module level: the config checks read these facts.
 """

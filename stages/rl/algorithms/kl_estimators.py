@@ -1,7 +1,7 @@
 """The built-in KL estimators, one ``register_kl_estimator`` each (stages/rl/algorithms/registry.py).
 
 Per-token estimates of KL(policy || reference) from the sampled tokens' log r = logp - ref_logp
-(Schulman's "Approximating KL divergence"); ``algorithms.kl_penalty`` looks them up. No torch at
+(Schulman's "Approximating KL divergence"); ``grpo_math.kl_penalty`` looks them up. No torch at
 module level: the config checks read the names.
 """
 

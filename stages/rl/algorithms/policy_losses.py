@@ -1,7 +1,7 @@
 """The built-in policy losses, one ``register_policy_loss`` each (stages/rl/algorithms/registry.py).
 
 Each gives the per-token loss from ratio = exp(logp - old_logp), the advantage A ([B, 1] or [B, T])
-and logp; ``algorithms.policy_loss`` adds the rollout weights, entropy bonus and KL, and aggregates
+and logp; ``grpo_math.policy_loss`` adds the rollout weights, entropy bonus and KL, and aggregates
 by the entry's ``aggregation``. TRL 1.16's formulas. No torch at module level: the config checks
 read these facts.
 """

@@ -7,7 +7,7 @@ LLaMA-Factory's ``stage: ppo`` drives, so a run here can be compared with one th
   sequence score on the last one (``token_rewards``); ``kl_coef`` comes from a fixed or adaptive
   controller (``kl_controller``; LLaMA-Factory's ``ppo_target`` sets the adaptive target).
 * Advantages come from GAE over those rewards and the critic's values, whitened over every
-  completion token of the batch (``gae``); the policy loss is ``algorithms.policy_loss`` with
+  completion token of the batch (``gae``); the policy loss is ``grpo_math.policy_loss`` with
   those [B, T] advantages, the critic's loss is the clipped squared error of ``value_loss``.
 * Sequence scores may be normalised by running moments first (``normalize_scores``).
 
@@ -94,7 +94,7 @@ def token_rewards(scores: torch.Tensor, kl: torch.Tensor, mask: torch.Tensor, kl
     """Per-token rewards [B, T]: ``-kl_coef * kl`` on every completion token, plus each row's
     sequence score (``scores`` [B]) on its last completion token; 0 on padding.
 
-    ``kl`` is the per-token KL estimate (``algorithms.kl_penalty`` of the rollout's log-probs
+    ``kl`` is the per-token KL estimate (``grpo_math.kl_penalty`` of the rollout's log-probs
     against the reference's). A row without completion tokens has no action to credit: all 0.
     """
     kl = _float(kl).detach()

@@ -16,10 +16,10 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Generic, Literal, Optional, TypeVar
 
 # The modules holding the built-in registrations, in the order their entries are listed.
-BUILTIN_MODULES = ("stages.rl.algorithms.advantage_estimators", "stages.rl.algorithms.policy_losses", "stages.rl.algorithms.kl_estimators",
-                   "stages.rl.algorithms.sapo")
+BUILTIN_MODULES = ("stages.rl.algorithms.advantage_estimators", "stages.rl.algorithms.policy_losses",
+                   "stages.rl.algorithms.kl_estimators", "stages.rl.algorithms.sapo")
 # How a policy loss turns per-token losses into one number: the numerator, and the normalizer the
-# whole optimizer step shares (``algorithms.loss_normalizer``).
+# whole optimizer step shares (``grpo_math.loss_normalizer``).
 Aggregation = Literal["sequence_mean", "token_mean", "max_length"]
 AGGREGATIONS: dict[str, str] = {
     "sequence_mean": "mean over each completion's tokens, then over completions",

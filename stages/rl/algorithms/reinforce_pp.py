@@ -1,6 +1,6 @@
 """REINFORCE++ advantages (Hu et al., arXiv 2501.03262), as verl computes them, and OpenRLHF's reinforce_baseline.
 
-Unlike the group estimators of ``algorithms.compute_advantages`` these are per token and normalised
+Unlike the group estimators of ``grpo_math.compute_advantages`` these are per token and normalised
 over the whole batch: every completion token of the step is one sample of the whitening
 (``ppo_math.masked_whiten``: mean and Bessel-corrected variance over all masked tokens,
 (x - mean) / sqrt(var + 1e-8), verl's ``masked_whiten`` exactly). A long completion therefore

@@ -26,6 +26,7 @@ from typing import Optional, Sequence
 import torch
 
 from .grpo_math import kl_penalty
+from .masks import pad_rows, sample_mask
 
 MODES = ("token_truncate", "token_mask", "sequence_truncate", "sequence_mask")
 
@@ -104,8 +105,6 @@ class RolloutCorrection:
 
     def sample_metrics(self, samples: Sequence, trainer_rows: Sequence[Sequence[float]]) -> dict[str, float]:
         """``metrics`` over all of a rank's samples at once (a max over micro-batches cannot be merged later)."""
-        from stages.rl.workers.trainable import pad_rows, sample_mask
-
         trainer = pad_rows([torch.tensor(row, dtype=torch.float32) for row in trainer_rows])
         mask = sample_mask(samples)
         return self.metrics(trainer, sampler_logprobs([s.rollout_logprobs for s in samples], trainer), mask)
@@ -120,3 +119,13 @@ def sampler_logprobs(rows: Sequence[Optional[Sequence[float]]], like: torch.Tens
             n = min(len(row), like.shape[1])
             out[i, :n] = torch.tensor(row[:n], dtype=torch.float32)
     return out.to(like.device)
+
+
+def rollout_logprob_gap(samples: Sequence, policy_logprobs: list[list[float]]) -> dict:
+    """How far the sampler's log-probs are from the policy's for the same tokens. Near 0 (float
+    noise) when the engines serve the policy's current weights; a failed or skipped weight sync,
+    or a precision mismatch, shows here first (verl's rule of thumb: investigate above ~0.01).
+    Only meaningful at temperature 1, where the sampler reports the same quantity."""
+    gaps = [abs(a - b) for s, mine in zip(samples, policy_logprobs) if s.rollout_logprobs
+            for a, b in zip(s.rollout_logprobs, mine) if not math.isnan(a)]  # NaN: an observation token
+    return {"rollout_logprob_diff": sum(gaps) / len(gaps), "rollout_logprob_diff_max": max(gaps)} if gaps else {}

@@ -9,7 +9,10 @@ from typing import Callable
 
 from registries.errors import UserError
 
-from stages.rl.controller.remote_reward import is_judge_url
+
+def is_judge_url(url) -> bool:
+    """An OpenAI-style chat URL, which ``reward_model_type: api`` asks as an LLM judge."""
+    return bool(url) and str(url).rstrip("/").endswith("/chat/completions")
 
 
 class RLConfigError(UserError):

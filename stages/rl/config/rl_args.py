@@ -12,7 +12,7 @@ from typing import Any, Literal, Mapping, Optional
 
 from registries.errors import ArgumentError
 
-from stages.rl.algorithms import registry as algorithms
+from stages.rl.algorithms import registry
 
 logger = logging.getLogger(__name__)
 
@@ -206,7 +206,7 @@ class RLArguments:
 
     def _check_loss_variants(self) -> None:
         """The registered algorithms' rules, the entropy bonus, the overlong buffer; before epsilon_high is set."""
-        algorithms.check_algorithms(self)
+        registry.check_algorithms(self)
         if self.entropy_coef < 0:
             raise ArgumentError(
                 "entropy_coef",
@@ -346,7 +346,7 @@ class RLArguments:
 
     def check_for_stage(self, stage) -> None:
         """Rules that depend on the stage's entry in the stage table (an RL stage's)."""
-        algorithms.check_for_stage(self, stage)  # the estimator's critic and group size, GSPO's loss
+        registry.check_for_stage(self, stage)  # the estimator's critic and group size, GSPO's loss
         if self.dynamic_filtering and stage.name != "grpo":  # ppo's loop trains on every group
             raise ArgumentError(
                 "dynamic_filtering",
@@ -379,7 +379,7 @@ class RLArguments:
 
     @property
     def uses_critic(self) -> bool:
-        return algorithms.ADVANTAGE_ESTIMATORS.get(self.advantage_estimator).needs_critic
+        return registry.ADVANTAGE_ESTIMATORS.get(self.advantage_estimator).needs_critic
 
     @property
     def completions_per_step(self) -> int:

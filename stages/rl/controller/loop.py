@@ -227,16 +227,6 @@ def reward_columns(batch: list[PromptRow], samples: list[RolloutSample], tokeniz
     return columns
 
 
-def rollout_logprob_gap(samples: list[RolloutSample], policy_logprobs: list[list[float]]) -> dict:
-    """How far the sampler's log-probs are from the policy's for the same tokens. Near 0 (float
-    noise) when the engines serve the policy's current weights; a failed or skipped weight sync,
-    or a precision mismatch, shows here first (verl's rule of thumb: investigate above ~0.01).
-    Only meaningful at temperature 1, where the sampler reports the same quantity."""
-    gaps = [abs(a - b) for s, mine in zip(samples, policy_logprobs) if s.rollout_logprobs
-            for a, b in zip(s.rollout_logprobs, mine) if not math.isnan(a)]  # NaN: an observation token
-    return {"rollout_logprob_diff": sum(gaps) / len(gaps), "rollout_logprob_diff_max": max(gaps)} if gaps else {}
-
-
 def split_evenly(items: list[T], parts: int) -> list[list[T]]:
     """``parts`` contiguous slices whose sizes differ by at most one (the first ones are longer)."""
     if parts < 1:

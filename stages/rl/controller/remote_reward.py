@@ -42,6 +42,8 @@ from typing import Any, Callable, Optional, Sequence, Union
 
 from registries.errors import UserError
 
+from stages.rl.config.checks import is_judge_url
+
 Prompt = Union[str, list[dict[str, Any]]]  # a prompt's text, or its messages
 
 
@@ -252,11 +254,6 @@ class JudgeReward:
             raise RemoteRewardError(f"The judge endpoint {self.url} answered {str(reply)[:200]!r}, not a chat "
                                     "completion (choices[0].message.content).") from None
         return parse_score(content, self.max_score)
-
-
-def is_judge_url(url) -> bool:
-    """An OpenAI-style chat URL, which ``reward_model_type: api`` asks as an LLM judge."""
-    return bool(url) and str(url).rstrip("/").endswith("/chat/completions")
 
 
 def api_reward(url: str, options: HTTPOptions = HTTPOptions(), rubric: Optional[str] = None,

@@ -61,7 +61,7 @@ class RLRoles(Protocol):
 
     def update(self, samples: list[RolloutSample], normalizer: float) -> dict[str, float]:
         """One optimizer step of the policy over the samples, split across its ranks; every part's
-        loss is divided by the whole step's ``normalizer`` (algorithms.loss_normalizer)."""
+        loss is divided by the whole step's ``normalizer`` (grpo_math.loss_normalizer)."""
 
     def sync_weights(self) -> dict[str, float]:
         """Push the policy's weights into the rollout engines (a no-op for the HF backend)."""

@@ -17,7 +17,8 @@ from typing import TYPE_CHECKING, Optional, Sequence
 import torch
 
 from .logprobs import budget_slices, pack_completions
-from .trainable import TrainableRole, pad_rows, sample_ids, sample_mask
+from stages.rl.algorithms.masks import pad_rows, sample_ids, sample_mask
+from .trainable import TrainableRole
 from stages.rl.config.types import RolloutSample
 
 if TYPE_CHECKING:

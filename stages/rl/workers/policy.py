@@ -19,7 +19,8 @@ from typing import TYPE_CHECKING, Optional
 
 import torch
 
-from .trainable import TrainableRole, pad_rows, sample_ids, sample_mask
+from stages.rl.algorithms.masks import pad_rows, sample_ids, sample_mask
+from .trainable import TrainableRole
 from stages.engines.types import Completion, SamplingSpec
 from stages.rl.config.types import RolloutSample
 
@@ -99,7 +100,7 @@ class PolicyWorker(TrainableRole):
 
     def update(self, samples: list[RolloutSample], normalizer: float) -> dict:
         """One optimizer step on this rank's share of the step's samples; ``normalizer`` is the
-        whole step's (every rank's) loss denominator (algorithms.loss_normalizer).
+        whole step's (every rank's) loss denominator (grpo_math.loss_normalizer).
 
         When the samples carry no old log-probs (one update per rollout: the policy that sampled
         is the one being updated) and the sampler ran at temperature 1, the update's own forward
@@ -109,7 +110,7 @@ class PolicyWorker(TrainableRole):
         self._sampled_policy_logprobs: list[list[float]] = []
         metrics = self._optimizer_step(samples, lambda chunk: self._chunk_loss(chunk, normalizer))
         if self._sampled_policy_logprobs and self.spec.generating.temperature == 1.0:
-            from stages.rl.controller.loop import rollout_logprob_gap
+            from stages.rl.algorithms.rollout_correction import rollout_logprob_gap
 
             metrics.update(rollout_logprob_gap(samples, self._sampled_policy_logprobs))
         if self._correction is not None:  # the pre-update log-probs: this update's own, or the given old ones
