@@ -100,7 +100,7 @@ def run(case: str, mode: str, steps: int, work: str) -> dict:
     from transformers import AutoModelForCausalLM, Trainer, TrainingArguments
 
     from stages.recipes.dpo import PreferenceTrainer
-    from stages.recipes.preference import Reference, disable_dropout
+    from stages.training.reference import Reference, disable_dropout
     from stages.run_args import FinetuningArguments
     from stages.training.collators import PaddingCollator
     from stages.training.preference_collators import PairwiseCollator

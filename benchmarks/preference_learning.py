@@ -78,7 +78,8 @@ def held_out_pairs(dataset: str, stage: str, tokenizer, template) -> list[dict]:
 def judge_reward_model(out_dir: str, held_out: str) -> dict:
     """The value head's pairwise accuracy and margin on the held-out pairs, untrained and trained."""
     from stages.training.callbacks import read_log
-    from stages.training.value_head import load_reward_model, score_pairs
+    from stages.training.value_head import score_pairs
+    from stages.loading import load_reward_model
 
     model, _ = load_reward_model(out_dir)
     tokenizer, template = saved_tokenizer_and_template(out_dir)

@@ -124,7 +124,7 @@ class StageJob:
 
     def build_reference(self, policy, tokenizer):
         """The frozen reference policy the stage needs (none, the adapter-disabled base, or a copy)."""
-        from stages.recipes.preference import build_reference
+        from stages.loading import build_reference
 
         return build_reference(policy, self.spec.model, self.spec.finetuning, tokenizer, self.training_args)
 

@@ -1,4 +1,6 @@
-"""Load what a stage trains: tokenizer + chat template + model with its adapter."""
+"""Load what a stage trains: tokenizer + chat template + model with its adapter; and the frozen models
+it compares with: the reference policy (``build_reference``) and a saved reward model
+(``load_reward_model``)."""
 
 from __future__ import annotations
 
@@ -17,6 +19,8 @@ from registries.templates.autodetect import AUTO, resolve_template
 from registries.templates.formatters import FunctionFormatter, ToolFormatter
 
 from stages.training.adapters import apply_finetuning, check_finetuning_fits, count_parameters
+from stages.training.reference import Reference, disable_dropout, unwrap
+from stages.training.value_head import VALUE_HEAD_FILE, ValueHeadModel, is_adapter_folder
 
 logger = logging.getLogger(__name__)
 
@@ -192,3 +196,74 @@ def load_model(model_args, finetuning_args, tokenizer, training_args=None, is_tr
     trainable, total = count_parameters(model)
     logger.info("trainable params: %d of %d (%.4f%%)", trainable, total, 100 * trainable / max(total, 1))
     return model
+
+
+def build_reference(policy, model_args, finetuning_args, tokenizer, training_args=None) -> Reference:
+    """The reference policy a stage needs, loaded as cheaply as the setup allows.
+
+    * orpo / simpo (``finetuning_args.use_ref_model`` false): none at all.
+    * LoRA without ``ref_model``: the policy with its adapter disabled (LLaMA-Factory's choice):
+      the reference is the base model, the adapter's and modules_to_save' starting point. Nothing
+      is loaded.
+    * otherwise: ``ref_model`` (with ``ref_model_adapters``) if given, else the policy's own
+      starting weights loaded again from ``model_name_or_path``: the policy trains in place, so
+      its initial weights exist nowhere else. Loading (rather than deep-copying the policy) also
+      works under ZeRO-3, whose ``from_pretrained`` shards the weights as they load.
+    """
+    if not finetuning_args.use_ref_model:
+        return Reference("none")
+    if finetuning_args.ref_model is None and finetuning_args.finetuning_type == "lora":
+        if not hasattr(unwrap(policy), "disable_adapter"):
+            raise RuntimeError("A LoRA policy without disable_adapter(); expected a peft PeftModel.")
+        return Reference("adapter_disabled")
+
+    adapters = finetuning_args.ref_model_adapters if finetuning_args.ref_model else None
+    ref_model_args = dataclasses.replace(
+        model_args,
+        model_name_or_path=finetuning_args.ref_model or model_args.model_name_or_path,
+        adapter_name_or_path=adapters,
+    )
+    # Only the fields that decide how weights load: the reference never trains.
+    ref_tuning = dataclasses.replace(
+        finetuning_args, finetuning_type="lora" if adapters else "full", use_rslora=False, use_dora=False
+    )
+    model = load_model(ref_model_args, ref_tuning, tokenizer, training_args, is_trainable=False)
+    model.requires_grad_(False)
+    disable_dropout(model)
+    logger.info("reference model: %s", ref_model_args.model_name_or_path)
+    return Reference("model", model)
+
+
+def load_reward_model(output_dir: str, base_model: str | None = None, template: str | None = None):
+    """(model, tokenizer) of a saved reward model, in eval mode on CPU.
+
+    A LoRA reward model loads its base from ``base_model`` or, by default, the path its
+    adapter_config.json records; ``template`` defaults to the chat template saved with it.
+    """
+    from registries.datasets.data_args import DataArguments
+
+    from stages.run_args import FinetuningArguments, ModelArguments
+
+    output_dir = os.path.abspath(output_dir)
+    if not os.path.isfile(os.path.join(output_dir, VALUE_HEAD_FILE)):
+        raise FileNotFoundError(
+            f"{output_dir} holds no {VALUE_HEAD_FILE}, so it is not a reward model saved by stage rm. "
+            "Point at the output_dir (or a checkpoint) of an rm run."
+        )
+    if is_adapter_folder(output_dir):
+        with open(os.path.join(output_dir, "adapter_config.json"), encoding="utf-8") as f:
+            base = base_model or json.load(f)["base_model_name_or_path"]
+        model_args = ModelArguments(model_name_or_path=base, adapter_name_or_path=[output_dir])
+        tuning = FinetuningArguments(stage="rm", finetuning_type="lora")
+    else:
+        model_args = ModelArguments(model_name_or_path=output_dir)
+        tuning = FinetuningArguments(stage="rm", finetuning_type="full")
+    # template None: detected from the chat template saved with the model (the training one).
+    tokenizer, _ = load_tokenizer_and_template(
+        ModelArguments(model_name_or_path=output_dir), DataArguments(template=template)
+    )
+    backbone = load_model(model_args, tuning, tokenizer, is_trainable=False)
+    model = ValueHeadModel(backbone)
+    model.load_value_head(output_dir)
+    model.requires_grad_(False)
+    return model.eval(), tokenizer

@@ -4,6 +4,15 @@ A package imports only from its own floor and the floors below it, wherever the 
 (module top or inside a function: a lazy import still ties the floors together), Ray is imported
 only by cluster/ and fabric/ (stages/ and registries/ run without a cluster), and no modules
 import each other in a circle (one closed by an import inside a function included).
+
+Inside stages/ the same rule holds for its rooms, top to bottom:
+
+    recipes -> rl/controller -> rl/workers | rl/agents -> rl/config -> rl/algorithms -> training
+
+A module imports only from its own room and the rooms below it (absolute or relative, at module
+top or inside a function). rl/workers and rl/agents share a level: neither imports the other.
+training is the bottom of stages/: it imports nothing of stages/ outside itself. The parts of
+stages/ outside the rooms (job, loading, table, engines, inference, ...) are not ranked here.
 """
 
 from __future__ import annotations
@@ -65,6 +74,87 @@ def test_the_check_sees_an_upward_import(tmp_path, monkeypatch):
     monkeypatch.setattr(sys.modules[__name__], "REPO_ROOT", str(tmp_path))
     assert _violations("stages") == ["stages/recipe.py:2 imports fabric (a floor above stages)",
                                      "stages/recipe.py:3 imports ray (stages runs without a cluster)"]
+
+
+# The rooms of stages/, bottom to top; rooms on one level may not import each other.
+ROOMS = (
+    ("stages.training",),
+    ("stages.rl.algorithms",),
+    ("stages.rl.config",),
+    ("stages.rl.workers", "stages.rl.agents"),
+    ("stages.rl.controller",),
+    ("stages.recipes",),
+)
+
+
+def _room_of(module: str):
+    """(level, room) of a dotted module name, or None outside the rooms."""
+    for level, rooms in enumerate(ROOMS):
+        for room in rooms:
+            if module == room or module.startswith(room + "."):
+                return level, room
+    return None
+
+
+def _imported_modules(path: str, module: str) -> set[tuple[str, int]]:
+    """(dotted target, line) of every import in a file, relative ones resolved against ``module``;
+    ``from a import b`` is a.b where a is no room itself (``from stages.rl import workers``)."""
+    with open(path, encoding="utf-8") as f:
+        tree = ast.parse(f.read(), filename=path)
+    package = module.split(".") if path.endswith("__init__.py") else module.split(".")[:-1]
+    found = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            found |= {(alias.name, node.lineno) for alias in node.names}
+        elif isinstance(node, ast.ImportFrom):
+            parts = (package[: len(package) - node.level + 1] if node.level else []) + (node.module or "").split(".")
+            base = ".".join(p for p in parts if p)
+            if _room_of(base) is None and base in ("stages", "stages.rl"):
+                found |= {(f"{base}.{alias.name}", node.lineno) for alias in node.names}
+            else:
+                found.add((base, node.lineno))
+    return found
+
+
+def _room_violations(root: str) -> list[str]:
+    out = []
+    for path in _python_files_under(root, "stages"):
+        module = os.path.relpath(path, root)[:-3].replace(os.sep, ".").removesuffix(".__init__")
+        here = _room_of(module)
+        if here is None:
+            continue
+        for target, line in sorted(_imported_modules(path, module)):
+            there = _room_of(target)
+            where = f"{os.path.relpath(path, root)}:{line}"
+            if there is not None and (there[0] > here[0] or (there[0] == here[0] and there[1] != here[1])):
+                out.append(f"{where} imports {target} (room {there[1]} is not below room {here[1]})")
+            elif here[0] == 0 and there is None and target.startswith("stages."):
+                out.append(f"{where} imports {target} ({here[1]} is the bottom of stages/)")
+    return sorted(out)
+
+
+def test_no_import_runs_up_a_room_of_stages():
+    assert _room_violations(REPO_ROOT) == []
+
+
+def test_the_room_check_sees_an_upward_a_sideways_and_a_relative_import(tmp_path):
+    """A worker importing the controller inside a function, an agent importing a worker relatively
+    (a room beside it), config naming a room above it from stages.rl, and training importing
+    stages/loading.py are each caught; config importing algorithms (below it) is not."""
+    for room in ("training", "rl/workers", "rl/agents", "rl/controller"):
+        (tmp_path / "stages" / room).mkdir(parents=True)
+    (tmp_path / "stages" / "rl" / "workers" / "policy.py").write_text(
+        "from stages.rl.config.types import RolloutSample\n\ndef step():\n    from stages.rl.controller import loop\n")
+    (tmp_path / "stages" / "rl" / "agents" / "tools.py").write_text("from ..workers.policy import step\n")
+    (tmp_path / "stages" / "training" / "value_head.py").write_text("def load():\n    from stages.loading import load_model\n")
+    (tmp_path / "stages" / "rl" / "config").mkdir()
+    (tmp_path / "stages" / "rl" / "config" / "checks.py").write_text("from stages.rl import agents, algorithms\n")
+    assert _room_violations(str(tmp_path)) == [
+        "stages/rl/agents/tools.py:1 imports stages.rl.workers.policy (room stages.rl.workers is not below room stages.rl.agents)",
+        "stages/rl/config/checks.py:1 imports stages.rl.agents (room stages.rl.agents is not below room stages.rl.config)",
+        "stages/rl/workers/policy.py:4 imports stages.rl.controller (room stages.rl.controller is not below room stages.rl.workers)",
+        "stages/training/value_head.py:2 imports stages.loading (stages.training is the bottom of stages/)",
+    ]
 
 
 def _module_graph(root: str) -> dict[str, set[str]]:

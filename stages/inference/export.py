@@ -71,7 +71,7 @@ def export_model(spec: InferenceSpec, export: ExportArguments, log=print) -> lis
     tokenizer.chat_template = to_jinja(template, tokenizer)  # prompts formatted as in training
     tokenizer.save_pretrained(out)
     head = os.path.join(spec.output_folder, VALUE_HEAD_FILE)
-    if os.path.isfile(head):  # a reward model: stages.training.value_head.load_reward_model(export_dir) works
+    if os.path.isfile(head):  # a reward model: stages.loading.load_reward_model(export_dir) works
         shutil.copyfile(head, os.path.join(out, VALUE_HEAD_FILE))
     note = {"base_model": spec.model.model_name_or_path, "adapters": spec.adapters, "template": template.name,
             "dtype": str(model.dtype).removeprefix("torch."), "dequantized_from_bits": spec.model.quantization_bit}

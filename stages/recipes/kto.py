@@ -20,7 +20,8 @@ import torch
 from transformers import Trainer
 
 from stages.job import StageJob
-from stages.recipes.preference import BatchMetricsMixin, Reference, disable_dropout
+from stages.recipes.preference import BatchMetricsMixin
+from stages.training.reference import Reference, disable_dropout
 from stages.training.reference_logps import PrecomputedReferenceMixin
 from stages.training.sequence_logps import SequenceLogpsMixin
 from stages.training.shared_prefix import SharedPrefixes, recording, reusing

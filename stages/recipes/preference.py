@@ -1,5 +1,7 @@
 """What the preference stages (dpo and its variants, kto) share: log-probs of the labelled tokens
-of whole sequences, the frozen reference policy, and held-out preference accuracy.
+of whole sequences, per-batch metrics, and held-out preference accuracy. The frozen reference policy
+is stages/training/reference.py's (the RL policy worker has one too), loaded by stages/loading.py's
+``build_reference``.
 
 Public API (stable; stages/recipes/kto.py imports it):
 
@@ -8,16 +10,6 @@ Public API (stable; stages/recipes/kto.py imports it):
   there are. float32 whatever the model's dtype.
 * ``forward_logps(model, input_ids, attention_mask, labels) -> (logps, lengths)``: one forward pass
   of a causal LM, then ``sequence_logps``.
-* ``build_reference(policy, model_args, finetuning_args, tokenizer, training_args) -> Reference``:
-  how the stage obtains reference log-probs. ``Reference.kind`` is
-  ``"none"`` (orpo/simpo: no reference at all), ``"adapter_disabled"`` (LoRA: the policy itself
-  with its adapter switched off, so no second copy of the weights) or ``"model"`` (full/freeze
-  training, or an explicit ``ref_model``: a separate frozen model).
-* ``Reference.prepare(trainer)``: once the Trainer exists, put a separate reference model on the
-  training device (wrapped by DeepSpeed for ZeRO-3, which shards it like the policy).
-* ``Reference.logps(policy, compute) -> (logps, lengths)``: reference log-probs under
-  ``torch.no_grad()``: ``compute(model)`` runs the batch through the reference model it is given
-  (``SequenceLogpsMixin.sequence_logps``); ``policy`` is the model the Trainer hands ``compute_loss``.
 * ``BatchMetricsMixin``: put before ``transformers.Trainer`` in a stage's Trainer that defines
   ``batch_loss(model, inputs) -> (loss, {name: float})``; it stores the metrics per batch, logs
   their means (averaged over workers) with each training log line and adds them, prefixed
@@ -36,26 +28,16 @@ Public API (stable; stages/recipes/kto.py imports it):
 
 from __future__ import annotations
 
-import contextlib
-import dataclasses
 import json
-import logging
 import os
 from collections import defaultdict
-from dataclasses import dataclass
-from typing import Any, Literal, Sequence
+from typing import Any, Sequence
 
 import torch
 
 from registries.tokenize import IGNORE_INDEX
 
-from stages.training.per_example_attention import attention_implementation, use_attention
 from stages.training.preference_collators import PairwiseCollator
-
-logger = logging.getLogger(__name__)
-
-# "precomputed": the reference's log-probs are columns of the data (stages/training/reference_logps.py).
-ReferenceKind = Literal["none", "adapter_disabled", "model", "precomputed"]
 
 
 def sequence_logps(logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -81,106 +63,6 @@ def forward_logps(model, input_ids, attention_mask, labels) -> tuple[torch.Tenso
     """One forward pass of a causal LM -> ``sequence_logps`` of its logits."""
     logits = model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).logits
     return sequence_logps(logits, labels)
-
-
-def unwrap(model):
-    """The module under DDP / DeepSpeed wrappers (PEFT wrappers stay: they own disable_adapter)."""
-    from accelerate.utils import extract_model_from_parallel
-
-    return extract_model_from_parallel(model)
-
-
-def disable_dropout(model) -> None:
-    """Dropout off, as TRL does for preference training: with it, the policy's and the reference's
-    log-probs of the same sequence differ by noise, and the rewards drift without learning."""
-    for module in model.modules():
-        if isinstance(module, torch.nn.Dropout):
-            module.p = 0.0
-
-
-@dataclass
-class Reference:
-    """Where reference log-probs come from (see the module docstring for the three kinds)."""
-
-    kind: ReferenceKind
-    model: Any = None  # only for kind "model": a frozen model (a DeepSpeed engine after prepare under ZeRO-3)
-    autocast: Any = contextlib.nullcontext  # the Trainer's mixed precision, set by prepare
-
-    def prepare(self, trainer) -> None:
-        """Put a separate reference next to the policy: DeepSpeed-wrapped under DeepSpeed (ZeRO-3
-        shards it like the policy; other stages keep a full copy per worker), else on the device."""
-        if self.kind != "model":
-            return
-        # The Trainer's mixed precision wraps the policy's forward in autocast (accelerate patches
-        # it); a separate reference must compute the same way, or at step 1 the two already differ.
-        self.autocast = trainer.accelerator.autocast
-        # Padding-free batches need the policy's attention (one example at a time on sdpa) here too.
-        use_attention(self.model, attention_implementation(trainer.model))
-        if getattr(trainer, "is_deepspeed_enabled", False):
-            from trl.models.utils import prepare_deepspeed
-
-            self.model = prepare_deepspeed(self.model, trainer.accelerator)
-        else:
-            self.model = self.model.to(trainer.args.device)
-        self.model.eval()
-
-    def logps(self, policy, compute) -> tuple[torch.Tensor, ...]:
-        """Reference (summed log-probs, label counts) for a batch, without gradients: ``compute(model)``
-        runs the batch through the model it is given; ``policy`` is the model the Trainer hands ``compute_loss``."""
-        if self.kind not in ("model", "adapter_disabled"):
-            raise RuntimeError(f"No reference model to run (reference kind {self.kind!r}).")
-        with torch.no_grad():
-            if self.kind == "model":
-                with self.autocast():
-                    return compute(self.model)
-            # The bare module, not a DDP wrapper: this pass has no backward for DDP to sync.
-            with self.disabled_adapter(policy):
-                return compute(unwrap(policy))
-
-    @staticmethod
-    @contextlib.contextmanager
-    def disabled_adapter(policy):
-        """The LoRA policy as its base model, for the length of the block."""
-        with unwrap(policy).disable_adapter():
-            yield
-
-
-def build_reference(policy, model_args, finetuning_args, tokenizer, training_args=None) -> Reference:
-    """The reference policy a stage needs, loaded as cheaply as the setup allows.
-
-    * orpo / simpo (``finetuning_args.use_ref_model`` false): none at all.
-    * LoRA without ``ref_model``: the policy with its adapter disabled (LLaMA-Factory's choice):
-      the reference is the base model, the adapter's and modules_to_save' starting point. Nothing
-      is loaded.
-    * otherwise: ``ref_model`` (with ``ref_model_adapters``) if given, else the policy's own
-      starting weights loaded again from ``model_name_or_path``: the policy trains in place, so
-      its initial weights exist nowhere else. Loading (rather than deep-copying the policy) also
-      works under ZeRO-3, whose ``from_pretrained`` shards the weights as they load.
-    """
-    if not finetuning_args.use_ref_model:
-        return Reference("none")
-    if finetuning_args.ref_model is None and finetuning_args.finetuning_type == "lora":
-        if not hasattr(unwrap(policy), "disable_adapter"):
-            raise RuntimeError("A LoRA policy without disable_adapter(); expected a peft PeftModel.")
-        return Reference("adapter_disabled")
-
-    from stages.loading import load_model
-
-    adapters = finetuning_args.ref_model_adapters if finetuning_args.ref_model else None
-    ref_model_args = dataclasses.replace(
-        model_args,
-        model_name_or_path=finetuning_args.ref_model or model_args.model_name_or_path,
-        adapter_name_or_path=adapters,
-    )
-    # Only the fields that decide how weights load: the reference never trains.
-    ref_tuning = dataclasses.replace(
-        finetuning_args, finetuning_type="lora" if adapters else "full", use_rslora=False, use_dora=False
-    )
-    model = load_model(ref_model_args, ref_tuning, tokenizer, training_args, is_trainable=False)
-    model.requires_grad_(False)
-    disable_dropout(model)
-    logger.info("reference model: %s", ref_model_args.model_name_or_path)
-    return Reference("model", model)
 
 
 class BatchMetricsMixin:
@@ -310,13 +192,9 @@ def judge_adapter(
 __all__ = [
     "adapter_preference_report",
     "BatchMetricsMixin",
-    "Reference",
-    "build_reference",
-    "disable_dropout",
     "forward_logps",
     "judge_adapter",
     "pairwise_logps",
     "preference_accuracy",
     "sequence_logps",
-    "unwrap",
 ]

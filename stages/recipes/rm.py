@@ -4,7 +4,7 @@ Loss: -log sigmoid(r_chosen - r_rejected) (Bradley-Terry), r = the head's value 
 token. Logged: rewards/chosen, rewards/rejected, rewards/accuracies, rewards/margins while
 training; eval_loss and eval_accuracy (plus eval_rewards/*) on evaluation. The output folder is
 the causal LM as usual (LoRA adapter or full model) plus value_head.safetensors:
-``stages.training.value_head.load_reward_model(output_dir)`` loads it for PPO or a server.
+``stages.loading.load_reward_model(output_dir)`` loads it for PPO or a server.
 """
 
 from __future__ import annotations

@@ -100,7 +100,7 @@ def with_reference_columns(dataset, collator, reference_columns: Callable[[dict]
 class PrecomputedReferenceMixin:
     """A preference Trainer whose reference log-probs may come from the data: put it before the
     Trainer. The stage's trainer defines ``reference_columns(model, batch) -> {column: (B,) tensor}``
-    and has ``self.reference`` (recipes/preference.Reference)."""
+    and has ``self.reference`` (stages/training/reference.py ``Reference``)."""
 
     precompute_setting: bool | None = None
     _reference_pass_s = 0.0

@@ -3,13 +3,13 @@
 The head is one ``Linear(hidden_size, 1)`` on the last layer's hidden states; a sequence's score
 is the value at its last real (non-padding) token. On disk a reward model is the causal LM as
 any stage saves it (LoRA adapter or full weights, tokenizer, chat template) plus
-``value_head.safetensors``, so ``load_reward_model(output_dir)`` rebuilds exactly what trained.
+``value_head.safetensors``, so ``load_reward_model(output_dir)`` (stages/loading.py) rebuilds
+exactly what trained.
 """
 
 from __future__ import annotations
 
 import inspect
-import json
 import os
 from dataclasses import dataclass
 
@@ -114,42 +114,6 @@ class ValueHeadModel(nn.Module):
 
 def is_adapter_folder(folder: str) -> bool:
     return os.path.isfile(os.path.join(folder, "adapter_config.json"))
-
-
-def load_reward_model(output_dir: str, base_model: str | None = None, template: str | None = None):
-    """(model, tokenizer) of a saved reward model, in eval mode on CPU.
-
-    A LoRA reward model loads its base from ``base_model`` or, by default, the path its
-    adapter_config.json records; ``template`` defaults to the chat template saved with it.
-    """
-    from registries.datasets.data_args import DataArguments
-
-    from stages.run_args import FinetuningArguments, ModelArguments
-    from stages.loading import load_model, load_tokenizer_and_template
-
-    output_dir = os.path.abspath(output_dir)
-    if not os.path.isfile(os.path.join(output_dir, VALUE_HEAD_FILE)):
-        raise FileNotFoundError(
-            f"{output_dir} holds no {VALUE_HEAD_FILE}, so it is not a reward model saved by stage rm. "
-            "Point at the output_dir (or a checkpoint) of an rm run."
-        )
-    if is_adapter_folder(output_dir):
-        with open(os.path.join(output_dir, "adapter_config.json"), encoding="utf-8") as f:
-            base = base_model or json.load(f)["base_model_name_or_path"]
-        model_args = ModelArguments(model_name_or_path=base, adapter_name_or_path=[output_dir])
-        tuning = FinetuningArguments(stage="rm", finetuning_type="lora")
-    else:
-        model_args = ModelArguments(model_name_or_path=output_dir)
-        tuning = FinetuningArguments(stage="rm", finetuning_type="full")
-    # template None: detected from the chat template saved with the model (the training one).
-    tokenizer, _ = load_tokenizer_and_template(
-        ModelArguments(model_name_or_path=output_dir), DataArguments(template=template)
-    )
-    backbone = load_model(model_args, tuning, tokenizer, is_trainable=False)
-    model = ValueHeadModel(backbone)
-    model.load_value_head(output_dir)
-    model.requires_grad_(False)
-    return model.eval(), tokenizer
 
 
 @torch.no_grad()

@@ -23,7 +23,8 @@ from stages.run_args import ModelArguments
 from stages.training.callbacks import read_log
 from stages.loading import load_tokenizer_and_template
 from stages.recipes.preference import judge_adapter
-from stages.training.value_head import load_reward_model, reward_accuracy
+from stages.training.value_head import reward_accuracy
+from stages.loading import load_reward_model
 from tests.e2e.conftest import DATA_DIR, REPO_ROOT, tokenized_pairs
 
 

@@ -22,7 +22,8 @@ from stages.run_args import ModelArguments
 from stages.training.callbacks import read_log
 from stages.training.preference_collators import PairwiseCollator
 from stages.loading import load_tokenizer_and_template
-from stages.training.value_head import VALUE_HEAD_FILE, load_reward_model, reward_accuracy, score
+from stages.training.value_head import VALUE_HEAD_FILE, reward_accuracy, score
+from stages.loading import load_reward_model
 from tests.e2e.conftest import (
     DATA_DIR,
     REPO_ROOT,

@@ -146,7 +146,8 @@ def test_legacy_format_writes_bin_files_over_a_previous_export(tmp_path, adapter
 
 
 def test_reward_model_export_keeps_its_value_head(tmp_path):
-    from stages.training.value_head import VALUE_HEAD_FILE, load_reward_model, score
+    from stages.training.value_head import VALUE_HEAD_FILE, score
+    from stages.loading import load_reward_model
 
     reward = make_reward_output(tmp_path / "rm", seed=3)
     out = tmp_path / "rm_merged"

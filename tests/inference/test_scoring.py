@@ -41,7 +41,8 @@ def rm_stage_scores(reward, system: str | None):
     """What stage rm computes: the registries' pairwise tokenizer on the training tokenizer and
     template, then value_head.score_pairs."""
     from stages.loading import load_tokenizer_and_template
-    from stages.training.value_head import load_reward_model, score_pairs
+    from stages.training.value_head import score_pairs
+    from stages.loading import load_reward_model
 
     data_args = DataArguments(template=TEMPLATE, cutoff_len=CUTOFF)
     tokenizer, template = load_tokenizer_and_template(ModelArguments(model_name_or_path=BASE), data_args)

@@ -11,7 +11,7 @@ import torch
 from transformers import TrainingArguments
 
 from stages.recipes.dpo import PreferenceTrainer
-from stages.recipes.preference import Reference
+from stages.training.reference import Reference
 from stages.run_args import FinetuningArguments
 from stages.training import heap_release
 from stages.training.preference_collators import PairwiseCollator

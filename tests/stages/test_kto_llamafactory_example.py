@@ -20,7 +20,7 @@ from cluster.config import load_config
 from stages.job import StageJob
 from stages.loading import load_tokenizer_and_template
 from stages.recipes.kto import KTOTrainer
-from stages.recipes.preference import disable_dropout
+from stages.training.reference import disable_dropout
 from stages.training.per_example_attention import PER_EXAMPLE_SDPA, use_attention
 from stages.training.shared_prefix import SHARED_PREFIX_SDPA
 from tests.llamafactory import lf_example, tiny_qwen3_with_its_tokenizer

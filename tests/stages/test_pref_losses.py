@@ -18,10 +18,9 @@ import torch
 from registries.tokenize import IGNORE_INDEX
 from stages.run_args import FinetuningArguments, ModelArguments
 from stages.recipes.dpo import preference_loss
-from stages.recipes.preference import (
-    Reference, adapter_preference_report, build_reference, forward_logps, pairwise_logps, preference_accuracy,
-    sequence_logps,
-)
+from stages.recipes.preference import adapter_preference_report, forward_logps, pairwise_logps, preference_accuracy, sequence_logps
+from stages.training.reference import Reference
+from stages.loading import build_reference
 from stages.recipes.rm import pairwise_reward_loss
 from stages.training.value_head import ValueHeadModel, last_token_index
 
@@ -293,7 +292,8 @@ def test_value_head_scores_the_last_real_token_whatever_the_padding(tiny):
 
 
 def test_full_reward_model_saves_weights_and_value_head_and_reloads_identically(tiny, tmp_path):
-    from stages.training.value_head import VALUE_HEAD_FILE, load_reward_model, score
+    from stages.training.value_head import VALUE_HEAD_FILE, score
+    from stages.loading import load_reward_model
 
     model_args, tokenizer = tiny
     torch.manual_seed(0)

@@ -15,7 +15,8 @@ from transformers import LlamaConfig, LlamaForCausalLM, TrainingArguments
 from registries.tokenize import IGNORE_INDEX
 from stages.recipes.dpo import LENGTH_NORMALIZED, PreferenceTrainer, preference_loss
 from stages.recipes.kto import KTOTrainer, kto_loss
-from stages.recipes.preference import Reference, forward_logps
+from stages.recipes.preference import forward_logps
+from stages.training.reference import Reference
 from stages.recipes.rm import pairwise_reward_loss
 from stages.run_args import FinetuningArguments
 from stages.training.collators import PaddingFreeCollator

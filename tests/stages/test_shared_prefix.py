@@ -15,7 +15,7 @@ from transformers import (
 from registries.tokenize import IGNORE_INDEX
 from stages.recipes.dpo import PreferenceTrainer
 from stages.recipes.kto import KTOTrainer
-from stages.recipes.preference import Reference
+from stages.training.reference import Reference
 from stages.run_args import FinetuningArguments
 from stages.training.collators import PaddingFreeCollator
 from stages.training.per_example_attention import PER_EXAMPLE_SDPA, SHORT_EXAMPLE, use_attention

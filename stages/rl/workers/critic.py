@@ -42,7 +42,7 @@ class CriticWorker(TrainableRole):
 
     def setup(self, rank: int, world_size: int, total_updates: int) -> dict:
         from stages.training.adapters import count_parameters
-        from stages.recipes.preference import disable_dropout
+        from stages.training.reference import disable_dropout
 
         torch.manual_seed(self.spec.training.seed)  # the same fresh head / LoRA init on every rank
         model = self._load()

@@ -43,7 +43,8 @@ class PolicyWorker(TrainableRole):
         after the process group exists. Returns parameter counts for the run's plan."""
         from stages.training.adapters import count_parameters
         from stages.loading import load_model, load_tokenizer_and_template
-        from stages.recipes.preference import Reference, build_reference, disable_dropout
+        from stages.training.reference import Reference, disable_dropout
+        from stages.loading import build_reference
 
         spec, options = self.spec, self.spec.training
         torch.manual_seed(options.seed)  # the same LoRA initialisation on every rank

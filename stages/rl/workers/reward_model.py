@@ -36,7 +36,7 @@ class RewardModelWorker:
 
     def setup(self) -> dict:
         from stages.loading import load_tokenizer_and_template, resolve_model_path
-        from stages.training.value_head import load_reward_model
+        from stages.loading import load_reward_model
 
         spec, tuning = self.spec, self.spec.finetuning
         tokenizer, template = load_tokenizer_and_template(spec.model, spec.data)
