@@ -18,7 +18,8 @@ import torch
 from registries.tokenize import IGNORE_INDEX
 from stages.run_args import FinetuningArguments, ModelArguments
 from stages.recipes.dpo import preference_loss
-from stages.recipes.preference import adapter_preference_report, forward_logps, pairwise_logps, preference_accuracy, sequence_logps
+from stages.recipes.preference import (adapter_preference_report, forward_logps, pairwise_logps, preference_accuracy,
+                                       sequence_logps)
 from stages.training.reference import Reference
 from stages.loading import build_reference
 from stages.recipes.rm import pairwise_reward_loss
