@@ -42,9 +42,8 @@ class PolicyWorker(TrainableRole):
         """Load tokenizer, model, reference; build optimizer and schedule. Called once per rank
         after the process group exists. Returns parameter counts for the run's plan."""
         from stages.training.adapters import count_parameters
-        from stages.loading import load_model, load_tokenizer_and_template
+        from stages.loading import build_reference, load_model, load_tokenizer_and_template
         from stages.training.reference import Reference, disable_dropout
-        from stages.loading import build_reference
 
         spec, options = self.spec, self.spec.training
         torch.manual_seed(options.seed)  # the same LoRA initialisation on every rank

@@ -35,8 +35,7 @@ class RewardModelWorker:
         self.spec = spec
 
     def setup(self) -> dict:
-        from stages.loading import load_tokenizer_and_template, resolve_model_path
-        from stages.loading import load_reward_model
+        from stages.loading import load_reward_model, load_tokenizer_and_template, resolve_model_path
 
         spec, tuning = self.spec, self.spec.finetuning
         tokenizer, template = load_tokenizer_and_template(spec.model, spec.data)
