@@ -13,9 +13,8 @@ from registries.errors import UserError
 from registries.tokenize.pairwise import encode_pairwise_example
 
 from stages.training.collators import PaddingCollator
-from ..loading import resolve_model_path
+from ..loading import load_reward_model, resolve_model_path
 from stages.training.value_head import VALUE_HEAD_FILE, score
-from stages.loading import load_reward_model
 from .chat_model import ChatInputError
 from .loading import InferenceSpec, load_tokenizer_and_template
 
