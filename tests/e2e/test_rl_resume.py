@@ -21,6 +21,7 @@ import signal
 import threading
 import time
 
+import psutil
 import pytest
 import torch
 from safetensors.torch import load_file
@@ -125,18 +126,17 @@ def test_killed_ppo_run_resumes_exactly_from_the_latest_complete_checkpoint(ray_
 
 
 def _pids_of(title: str) -> list[int]:
-    """Processes whose title (Ray sets "ray::<ActorClass>...") starts with ``title``."""
+    """This test session's processes whose title (Ray sets "ray::<ActorClass>...") starts with
+    ``title``: the session's Ray (its raylet and so every worker) descends from this process, and
+    another pytest-xdist worker's Ray, with actors of the same title, does not."""
     pids = []
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
+    for process in psutil.Process(os.getpid()).children(recursive=True):
         try:
-            with open(f"/proc/{entry}/cmdline", "rb") as f:
-                cmdline = f.read().replace(b"\0", b" ").decode(errors="replace")
-        except OSError:
+            cmdline = " ".join(process.cmdline())
+        except psutil.Error:  # ended meanwhile
             continue
         if re.match(re.escape(title) + r"(\.|\s|$)", cmdline):
-            pids.append(int(entry))
+            pids.append(process.pid)
     return pids
 
 

@@ -4,7 +4,10 @@ a minority of its sampled replies; multi-turn GRPO with the built-in tools envir
 calls it makes (their results come back as observation turns) and rewards the episodes in which a
 tool result came back.
 
-The default suite runs SHORT_RL_STEPS of GRPO: the calls the policy itself writes are parsed and
+Both tests are ``slow`` (the warm start alone is ~40 s). The default suite's tools-environment
+runs are test_rl_page.py's (a tiny grpo run with the calculator started from the web UI) and
+test_grpo_multi_turn.py's (a forced python call whose output comes back as an observation); the
+call parser is tests/stages' test_rl_tools.py. The mechanics run is SHORT_RL_STEPS of GRPO: the calls the policy itself writes are parsed and
 run, each step's tool reward is the share of episodes that got a result back (one call, then the
 answer), and the observations are in the trajectories. It generates with rollout_backend hf (the
 policy worker's own generate: the same tools environment without starting a vLLM engine; these 6
@@ -57,6 +60,7 @@ def calculator_grpo(tmp_path, monkeypatch, rl_steps: int, *overrides: str) -> tu
     return used, steps
 
 
+@pytest.mark.slow
 def test_grpo_with_the_calculator_runs_the_calls_the_policy_writes(ray_session, tmp_path, monkeypatch):
     used, steps = calculator_grpo(tmp_path, monkeypatch, SHORT_RL_STEPS, "rollout_backend=hf")
     assert 0.02 < statistics.mean(used) < 0.7, used  # the policy's own calls ran: a share, not none or all
