@@ -68,6 +68,9 @@ class RLSpec:
     # beta * KL(policy || reference) is part of the policy loss (grpo); False: the recipe puts it
     # into the rewards instead (ppo).
     kl_in_loss: bool = True
+    # Its loop drops prompt groups whose completions all scored alike and refills the batch
+    # (dynamic_filtering, max_num_gen_batches); False: it trains on every group (ppo).
+    filters_groups: bool = False
     # (key, value) defaults of the generating keys (sampling) for keys the config leaves out.
     sampling_defaults: tuple[tuple[str, Any], ...] = FULL_DISTRIBUTION
     # "module:function" in stages/ or a callable: (given keys, the other groups' values) -> defaults
@@ -196,8 +199,14 @@ def describe_stages() -> str:
 
 
 def stages_where(fact: str) -> str:
-    """The stages whose entry has ``fact`` true, for error messages: "sft" or "dpo, kto"."""
-    return ", ".join(s.name for s in STAGES.values() if getattr(s, fact))
+    """The stages whose entry has ``fact`` true, for error messages: "sft" or "dpo, kto".
+    ``fact`` may name an RL stage's fact: "rl.filters_groups"."""
+    def holds(spec, names):
+        for name in names:
+            spec = getattr(spec, name, None)
+        return bool(spec)
+
+    return ", ".join(s.name for s in STAGES.values() if holds(s, fact.split(".")))
 
 
 def _load(target: str | Callable) -> Callable:
@@ -239,7 +248,7 @@ register_stage(StageSpec(
     dataset_need="prompt_only", tokenize="unsupervised", collator="training.collators:prompt_collator",
     runner="recipes.grpo:run_grpo", launch="rl_controller",
     needs_reference=_always,  # when beta > 0; beta 0 loads none (stages/rl/workers/policy.py)
-    rl=RLSpec(),
+    rl=RLSpec(filters_groups=True),
 ))
 register_stage(StageSpec(
     "ppo", "PPO: policy, critic, reward model and vLLM rollouts as Ray actor groups, GAE and a KL controller",

@@ -6,6 +6,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from stages.table import STAGES
+
 
 @dataclass(frozen=True)
 class Field:
@@ -19,10 +21,17 @@ class Field:
     item: str = "text"  # list: what its comma-separated entries are (text | number); written as a YAML list
 
 
+def _stages_where(fact) -> tuple:
+    """A ``when`` for the stages whose entry in the stage table has ``fact``: ("stage", "dpo", ...)."""
+    return ("stage", *(name for name, stage in STAGES.items() if fact(stage)))
+
+
 SECTIONS = ("model", "method", "rl", "dataset", "output", "train", "ray")
-# The stages with an RL options group (stages/table.py: an ``rl`` entry; a test keeps the two in step).
-RL_STAGES = ("grpo", "ppo")
-RL = ("stage", *RL_STAGES)
+RL = _stages_where(lambda stage: stage.rl is not None)  # the stages with an RL options group
+RL_STAGES = RL[1:]
+PREF_LOSS = _stages_where(lambda stage: stage.takes_pref_loss)
+PREFERENCE = _stages_where(lambda stage: stage.token_logps)  # against a reference's log-probs: pref_beta
+REWARD_MODEL = _stages_where(lambda stage: stage.rl is not None and stage.rl.reward_model)
 # RL keys whose choices are their Literal type in stages/rl/config/rl_args.py (filled by `form_spec`) ...
 RL_LITERALS = ("rollout_backend", "async_rollout")
 # ... and those whose choices are the names registered for them (stages/rl/algorithms/registry.py).
@@ -42,8 +51,8 @@ FIELDS: tuple[Field, ...] = (
           when=("finetuning_type", "lora")),
     Field("freeze_trainable_layers", "method", "number", 2, when=("finetuning_type", "freeze")),
     Field("pref_loss", "method", "select", "sigmoid", choices=("sigmoid", "hinge", "ipo", "orpo", "simpo"),
-          when=("stage", "dpo")),
-    Field("pref_beta", "method", "number", 0.1, when=("stage", "dpo", "kto")),
+          when=PREF_LOSS),
+    Field("pref_beta", "method", "number", 0.1, when=PREFERENCE),
     # --- RL (stage grpo / ppo; stages/rl/config/rl_args.py). Blank: the stage's own default, not written.
     Field("reward_funcs", "rl", "list", "", when=RL,
           help="comma-separated; built-ins exact_match, digit_ratio, final_number, number_format, short_answer, "
@@ -51,9 +60,9 @@ FIELDS: tuple[Field, ...] = (
                "reward_model)"),
     Field("reward_weights", "rl", "list", "", item="number", when=RL,
           help="one weight per reward function, comma-separated; blank: 1.0 each"),
-    Field("reward_model", "rl", "text", "", when=("stage", "ppo"),
+    Field("reward_model", "rl", "text", "", when=REWARD_MODEL,
           help="a stage rm output (folder), or a reward server's URL with reward_model_type api"),
-    Field("reward_model_type", "rl", "select", "", choices=("lora", "full", "api"), when=("stage", "ppo"),
+    Field("reward_model_type", "rl", "select", "", choices=("lora", "full", "api"), when=REWARD_MODEL,
           help="lora: an rm adapter on this base model; full: a model of its own; api: a URL; blank: lora"),
     Field("num_generations", "rl", "number", "", when=RL, help="completions per prompt; blank: 4 (ppo: 1)"),
     Field("rollout_batch_size", "rl", "number", "", when=RL,

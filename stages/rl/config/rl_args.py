@@ -1,8 +1,6 @@
 """The RL options of a run (TRL's GRPO key names where TRL has them) and the rollout engines'.
-
-Sampling itself (``temperature``, ``top_p``, ``top_k``) is read from the generating options, the
-same keys LLaMA-Factory and TRL use; ``max_completion_length`` caps each completion.
-"""
+Sampling (``temperature``, ``top_p``, ``top_k``) is the generating options', as in LLaMA-Factory
+and TRL; ``max_completion_length`` caps each completion."""
 
 from __future__ import annotations
 
@@ -347,12 +345,14 @@ class RLArguments:
     def check_for_stage(self, stage) -> None:
         """Rules that depend on the stage's entry in the stage table (an RL stage's)."""
         registry.check_for_stage(self, stage)  # the estimator's critic and group size, GSPO's loss
-        if self.dynamic_filtering and stage.name != "grpo":  # ppo's loop trains on every group
+        from stages.table import stages_where  # the table says whose loop filters groups
+        filtering = stages_where("rl.filters_groups")
+        if self.dynamic_filtering and not stage.rl.filters_groups:  # ppo's loop trains on every group
             raise ArgumentError(
                 "dynamic_filtering",
                 "dynamic_filtering drops the prompt groups whose completions all got the same reward, which only "
-                f"stage grpo does; stage {stage.name} trains on every group, so the key would do nothing. Remove "
-                "dynamic_filtering (or set it to false), or use stage: grpo.",
+                f"stage {filtering} does; stage {stage.name} trains on every group, so the key would do nothing. "
+                f"Remove dynamic_filtering (or set it to false), or use stage: {filtering}.",
             )
         if self.dynamic_filtering and self.num_generations < 2:  # reinforce_plus_plus allows a single completion
             raise ArgumentError(
@@ -361,12 +361,12 @@ class RLArguments:
                 f"num_generations {self.num_generations} always does, so every step would be skipped. Set "
                 "num_generations: 2 or more, or dynamic_filtering: false.",
             )
-        if self.max_num_gen_batches > 1 and not (self.dynamic_filtering and stage.name == "grpo"):
+        if self.max_num_gen_batches > 1 and not (self.dynamic_filtering and stage.rl.filters_groups):
             raise ArgumentError(
                 "max_num_gen_batches",
                 f"max_num_gen_batches {self.max_num_gen_batches} refills the batches that dynamic_filtering "
-                f"shrinks (stage grpo), but {'dynamic_filtering is off' if self.dynamic_filtering else 'this is stage ' + stage.name}. "
-                "Set dynamic_filtering: true under stage grpo, or remove max_num_gen_batches.",
+                f"shrinks (stage {filtering}), but {'dynamic_filtering is off' if self.dynamic_filtering else 'this is stage ' + stage.name}. "
+                f"Set dynamic_filtering: true under stage {filtering}, or remove max_num_gen_batches.",
             )
         # reward functions are its only scorer, but a custom environment's step rewards (built-in tools: none)
         if not stage.rl.reward_model and not self.reward_funcs and self.environment in (None, "tools"):
