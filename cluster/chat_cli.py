@@ -21,7 +21,6 @@ import warnings
 from registries.errors import find_user_error
 
 from .config import RunConfig, load_config
-from .driver import check_local_paths
 
 EXIT_WORDS = ("exit",)
 CLEAR_WORDS = ("clear",)
@@ -31,7 +30,6 @@ IMAGE_PLACEHOLDER = "<image>"  # where an image goes in a message, as in trainin
 
 def run_chat(args: argparse.Namespace) -> int:
     cfg = load_config(args.config, args.overrides, purpose="infer")
-    check_local_paths(cfg)  # a missing folder fails now, not after a hub lookup minutes later
     with warnings.catch_warnings():
         # The chat screen is for the conversation: loading bars and library warnings stay out of it.
         warnings.simplefilter("ignore")

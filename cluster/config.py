@@ -34,26 +34,16 @@ from stages.run_args import (
     trainer_fields,
 )
 from stages.job import JobSpec
-from stages.tracking import default_run_name
 from stages.inference.inference_args import ExportArguments, InferenceArguments
 from stages.inference.loading import InferenceSpec
 from stages.rl.config.rl_args import RLArguments
 
 from .config_types import ConfigError, bool_word, coerce_key
 from .config_yaml import parse_override, read_source as _read_source  # noqa: F401 (parse_override: its old address)
-from .extras import check_extras, check_report_to
+from .config_rules import run_rules
 from .lf_compat import apply_lf_compat
-from .paths import resolve_paths, unpin_run_defaults
-from .rl_checks import check_rl
+from .paths import unpin_run_defaults
 from cluster.serve.serve_args import ServeArguments
-from .training_checks import (
-    check_planned_work,
-    check_streaming,
-    check_template,
-    resolve_explicit_checkpoint,
-    check_training_options,
-    read_deepspeed_config,
-)
 
 RESOLVED_CONFIG_NAME = "rayfactory_config.yaml"
 GROUPS: dict[str, type] = {
@@ -166,7 +156,7 @@ def load_config(path_or_dict: str | os.PathLike | dict | None = None, overrides:
     for group in ("rl", "inference", "export", "serve"):
         built[group] = _build(group, grouped[group], origin, source)
     run = RunConfig(**built, raw=raw, source=source, notes=notes)
-    _check_and_resolve(run, lambda key: origin.get(key, source), purpose)
+    run_rules(run, lambda key: origin.get(key, source), purpose)  # cluster/config_rules.py, in order
     return run
 
 
@@ -255,77 +245,13 @@ def _build(group: str, kwargs: dict[str, Any], origin: dict[str, str], source: s
     try:
         return GROUPS[group](**kwargs)
     except ArgumentError as exc:
-        raise ConfigError(f"invalid {exc.key} in {origin.get(exc.key, source)}: {exc}") from None
+        raise ConfigError(f"invalid {exc.key} in {origin.get(exc.key, source)}: {exc}", key=exc.key) from None
     except ValueError as exc:  # DataArguments' own checks (DataConfigError)
         where = sorted({origin[k] for k in kwargs}) or [source]
         raise ConfigError(f"{exc} (in {' / '.join(where)})") from None
 
 
 # --- rules across groups, and paths made absolute for workers on other machines -----------------
-
-
-def _check_and_resolve(run: RunConfig, where: typing.Callable[[str], str], purpose: str = "train") -> None:
-    model, tuning, data, training = run.model, run.finetuning, run.data, run.training.values
-    stage = tuning.spec  # FinetuningArguments refused a name the stage table lacks
-    is_rl = stage.launch == "rl_controller" and purpose != "infer"
-    local = purpose != "submit"  # the job's machine is this one: its files and packages can be checked
-    # "check" (the web UI) finds the user modules a config names without running them: a config
-    # that is only being looked at must not execute code of its choosing.
-    run_modules = purpose in ("train", "infer")
-    if is_rl:
-        check_rl(run, where, local, run_modules)
-    if not model.model_name_or_path:
-        raise ConfigError(
-            f"model_name_or_path is missing in {where('model_name_or_path')}. Set it to a model folder "
-            "(or a hub id), e.g. model_name_or_path: Qwen/Qwen2.5-0.5B-Instruct."
-        )
-    if model.quantization_bit is not None and tuning.finetuning_type != "lora":
-        raise ConfigError(
-            f"quantization_bit {model.quantization_bit} in {where('quantization_bit')} needs finetuning_type "
-            f"lora (that is QLoRA), but finetuning_type is {tuning.finetuning_type!r}: quantized weights "
-            "cannot be trained directly. Use finetuning_type: lora, or remove quantization_bit."
-        )
-    check_template(data.template)
-    resolve_paths(run)  # workers and Serve replicas do not run in this directory
-    if purpose == "infer":
-        check_extras({"quantization_bit": model.quantization_bit}, where)
-        return
-    check_planned_work(run, where)
-    if data.streaming:
-        check_streaming(stage.name, stage.launch, training, where)
-    if not training.get("output_dir"):
-        raise ConfigError(
-            f"output_dir is missing in {where('output_dir')}. Set the folder that receives checkpoints, "
-            "logs and the trained model, e.g. output_dir: saves/my-run."
-        )
-    if training.get("bf16") and training.get("fp16"):
-        raise ConfigError(f"bf16 and fp16 are both true in {where('fp16')}. Pick one precision (bf16 on recent GPUs).")
-    strategy = training.get("eval_strategy", "no")
-    if strategy != "no" and not data.val_size and not data.eval_dataset:
-        raise ConfigError(
-            f"eval_strategy is {strategy!r} in {where('eval_strategy')} but there is nothing to evaluate on. "
-            "Set val_size (a fraction of the training data) or eval_dataset, or set eval_strategy: no."
-        )
-    if local:
-        read_deepspeed_config(training, model, tuning, where)
-    if run.ray.train_in_driver:
-        needs = run.ray.worker_group_reasons(streaming=data.streaming, deepspeed=bool(training.get("deepspeed")), rl=is_rl)
-        if needs:
-            raise ConfigError(
-                f"train_in_driver is true in {where('train_in_driver')}, but this run needs a Ray Train worker "
-                f"group: {'; '.join(needs)}. Remove train_in_driver (the default trains in the driver wherever it "
-                "can) or set it to false."
-            )
-    if local:
-        resolve_explicit_checkpoint(training, where, stage.checkpoint_kind)
-    trackers = check_report_to(training.get("report_to", "none"), where, local)
-    training["report_to"] = trackers or "none"
-    if trackers:  # LLaMA-Factory's key; the trackers' run list shows it (stages/tracking.py)
-        training.setdefault("run_name", default_run_name(training["output_dir"]))
-    if local:
-        check_extras({"deepspeed": training.get("deepspeed"), "quantization_bit": model.quantization_bit,
-                      "rollout_backend": is_rl and run.rl.rollout_backend == "vllm"}, where)
-    check_training_options(run.training, where)
 
 
 __all__ = ["ConfigError", "RESOLVED_CONFIG_NAME", "RunConfig", "key_owners", "load_config", "parse_override"]

@@ -18,7 +18,15 @@ from registries.errors import UserError
 
 
 class ConfigError(UserError):
-    """A mistake in the user's config. The message is meant to be shown as is, without a traceback."""
+    """A mistake in the user's config. The message is meant to be shown as is, without a traceback;
+    ``key`` is the config key it is about, where one is (the web UI marks that field)."""
+
+    def __init__(self, message: str, key: str | None = None):
+        super().__init__(message)
+        self.key = key
+
+    def __reduce__(self):  # picklable across Ray processes, key and all
+        return (type(self), (str(self), self.key))
 
 
 _BOOL_WORDS = {"yes": True, "on": True, "y": True, "no": False, "off": False, "n": False}

@@ -135,8 +135,7 @@ def tokenizer_and_template(cfg: RunConfig):
     """The tokenizer and template, or a ConfigError that says which setting is wrong."""
     from stages.loading import load_tokenizer_and_template
 
-    check_local_paths(cfg)
-    path = cfg.model.model_name_or_path
+    path = cfg.model.model_name_or_path  # load_config checked that a local path exists
     try:
         return load_tokenizer_and_template(cfg.model, cfg.data)
     except OSError as exc:  # transformers: no tokenizer files there, or the hub cannot serve the id
@@ -144,36 +143,6 @@ def tokenizer_and_template(cfg: RunConfig):
             f"cannot load the tokenizer of model_name_or_path {path!r}: {exc} Check the folder or hub id "
             "(a hub id needs network access or a filled Hugging Face cache)."
         ) from None
-
-
-def check_local_paths(cfg: RunConfig) -> None:
-    """Every model or adapter path that looks local must exist. Checked here, before any work:
-    transformers and peft would take a missing path for a hub id and fail much later, on a worker."""
-    tuning = cfg.finetuning
-    named = [("model_name_or_path", cfg.model.model_name_or_path), ("ref_model", tuning.ref_model),
-             ("reward_model", tuning.reward_model)]
-    for key, paths in (("adapter_name_or_path", cfg.model.adapter_name_or_path),
-                       ("ref_model_adapters", tuning.ref_model_adapters),
-                       ("reward_model_adapters", tuning.reward_model_adapters)):
-        named += [(key, p) for p in paths or ()]
-    named += [(f"lora_modules adapter {name!r}:", p) for name, p in (cfg.inference.lora_modules or {}).items()]
-    for key, path in named:
-        if path and _looks_local(path) and not os.path.exists(os.path.expanduser(path)):
-            if "adapter" in key:
-                fix = "Point it at a folder holding adapter_config.json, or use a hub id of a PEFT adapter."
-            else:
-                fix = ("Point it at a model folder, use a hub id such as Qwen/Qwen2.5-0.5B-Instruct, tiny:qwen2 "
-                       "for a tiny test model, or demo:smollm2-135m-instruct for a real small one.")
-            raise ConfigError(
-                f"{key} {path!r} does not exist (looked for {os.path.abspath(os.path.expanduser(path))}). {fix}"
-            )
-
-
-def _looks_local(path: str) -> bool:
-    """A filesystem path rather than a hub id ('name' or 'org/name'), tiny:<family> or demo:<name>."""
-    if "://" in path or path.startswith(("tiny:", "demo:")):
-        return False
-    return path.startswith(("/", "./", "../", "~", ".\\")) or path.count("/") > 1 or "\\" in path
 
 
 def _rl_role_cpus(cfg: RunConfig) -> float:

@@ -10,7 +10,6 @@ import argparse
 import os
 
 from .config import ConfigError, load_config
-from .driver import check_local_paths
 
 
 def run_export(args: argparse.Namespace) -> int:
@@ -20,7 +19,6 @@ def run_export(args: argparse.Namespace) -> int:
             f"export_dir is missing in {cfg.source}. Set the folder that receives the merged model, e.g. "
             "export_dir: saves/merged (or add export_dir=saves/merged to the command line)."
         )
-    check_local_paths(cfg)
     for note in cfg.notes:  # LLaMA-Factory keys that mean something else here, or nothing
         print(f"note: {note}")
     import transformers

@@ -29,7 +29,7 @@ def check_rl(run, where: Callable[[str], str], local: bool = True, run_modules: 
     try:
         run.rl.check_for_stage(stage)
     except ArgumentError as exc:
-        raise ConfigError(f"invalid {exc.key} in {where(exc.key)}: {exc}") from None
+        raise ConfigError(f"invalid {exc.key} in {where(exc.key)}: {exc}", key=exc.key) from None
     # The reward functions run in this process (the RL controller's), so loading them now fails a
     # typo before Ray starts; the module then stays imported for the run.
     try:

@@ -32,7 +32,7 @@ def check_training_options(options: TrainingOptions, where: typing.Callable[[str
     for key, test, rule in _RANGES:
         value = values.get(key)
         if value is not None and not isinstance(value, bool) and not test(value):
-            raise ConfigError(f"{key} is {value!r} in {where(key)}; it must be {rule}. Fix the value.")
+            raise ConfigError(f"{key} is {value!r} in {where(key)}; it must be {rule}. Fix the value.", key=key)
     # transformers' own cross-option checks (strategies that must match, ...). What depends on the
     # hardware (precision, DeepSpeed) is left to the workers: the driver may run on a CPU-only head.
     try:
@@ -40,7 +40,7 @@ def check_training_options(options: TrainingOptions, where: typing.Callable[[str
     except TrainingOptionsError as exc:
         keys = [k for k in values if k in str(exc)]
         places = sorted({where(k) for k in keys}) or [where("output_dir")]
-        raise ConfigError(f"{exc} (set in {' / '.join(places)})") from None
+        raise ConfigError(f"{exc} (set in {' / '.join(places)})", key=keys[0] if keys else None) from None
 
 
 def planned_work(values: dict) -> tuple[bool, bool]:

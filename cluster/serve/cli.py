@@ -102,13 +102,10 @@ def write_serve_config(path: str, config: dict) -> str:
 def run_serve(args: argparse.Namespace) -> int:
     from ..config import load_config
 
-    from ..driver import check_local_paths
-
     overrides = list(args.overrides)
     if getattr(args, "allow_host", None):  # a config key, so that a written Serve config carries it too
         overrides.append(f"serve_allow_hosts={','.join(args.allow_host)}")
     cfg = load_config(args.config, overrides, purpose="infer")
-    check_local_paths(cfg)  # a missing folder fails now, not in a replica after Ray and Serve started
     host, port = resolve_address(args, cfg)
     if getattr(args, "write_serve_config", None):
         path = write_serve_config(args.write_serve_config, serve_config(cfg, args.config, overrides, host, port))

@@ -192,14 +192,12 @@ def run_webchat(args: argparse.Namespace) -> int:
 
     from ..chat_cli import _quiet_libraries
     from ..config import load_config
-    from ..driver import check_local_paths
 
     # Before the model loads: a refusal, or a config mistake, costs no wait.
     guard.refuse_open_host(args.host, args.token, "the chat page", "use the model", args.port, TOKEN_ENV)
     if not 0 < args.port < 65536:
         raise UserError(f"--port must be a TCP port (1-65535), got {args.port}.")
     cfg = load_config(args.config, args.overrides, purpose="infer")
-    check_local_paths(cfg)  # a missing folder fails now, not after a hub lookup minutes later
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         _quiet_libraries(cfg)

@@ -293,9 +293,9 @@ def validate(config: dict[str, Any]) -> dict[str, str] | None:
                                              f"{' (comma-separated)' if f.kind == 'list' else ''}."}
     try:
         cfg = load_config(dict(config), purpose="check")  # a config being looked at runs none of its modules
-    except UserError as exc:
+    except UserError as exc:  # load_config's refusals name their key (cluster/config_rules.py)
         message = str(exc)
-        return {"key": _named_key(message, config), "message": message}
+        return {"key": _field_of(getattr(exc, "key", None), config) or _named_key(message, config), "message": message}
     except (TypeError, ValueError) as exc:  # a dataclass's own check, worded for the developer
         return {"key": _named_key(str(exc), config), "message": str(exc)}
     for key in ("dataset", "eval_dataset"):  # an unknown name fails here, not minutes later in the job
@@ -317,9 +317,17 @@ def _not_finite(text: str) -> bool:
         return False
 
 
+def _field_of(key: str | None, config: dict[str, Any]) -> str | None:
+    """Where the page shows a refusal about ``key``: its field, or the "more keys" box for a key of
+    the config without a field."""
+    if key in FIELD_BY_KEY:
+        return key
+    return "extra" if key in config else None
+
+
 def _named_key(message: str, config: dict[str, Any]) -> str:
-    """Where the page shows a config error: the first key of the config it quotes (its field, or
-    the "more keys" box for a key without one), else the first field it names."""
+    """For an error that names no key (a dataclass's own check, a group's ValueError): the first
+    key of the config its text quotes (its field, or the "more keys" box), else the first field it names."""
     leading = re.match(r"(?:invalid )?([a-z][a-z_0-9]*) in ", message)  # the CLI's "invalid beta in <file>: ..."
     if leading and leading.group(1) in config:
         return leading.group(1) if leading.group(1) in FIELD_BY_KEY else "extra"

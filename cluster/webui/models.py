@@ -32,7 +32,6 @@ def export(roots: tuple[str, ...], body: dict[str, Any]) -> dict[str, Any]:
     from stages.inference.export import check_export_request, export_model
 
     from ..config import load_config
-    from ..driver import check_local_paths
 
     export_dir = confine(_text(body, "export_dir", ""), roots, "export_dir")  # the request's own keys first
     size = _number(body, "export_size", 0.001, 1000.0)
@@ -40,7 +39,6 @@ def export(roots: tuple[str, ...], body: dict[str, Any]) -> dict[str, Any]:
     if size is not None:
         keys["export_size"] = size
     cfg = load_config(keys, purpose="infer")
-    check_local_paths(cfg)
     spec = cfg.inference_spec()
     check_export_request(spec, cfg.export)
     files = export_model(spec, cfg.export, log=lambda *_: None)
@@ -124,13 +122,11 @@ class ChatCache:
     def get(self, keys: dict[str, Any]):
         from ..api import ChatModel
         from ..config import load_config
-        from ..driver import check_local_paths
 
         key = tuple(sorted(keys.items()))
         with self.lock:
             if key != self.key:
                 cfg = load_config(dict(keys), purpose="infer")
-                check_local_paths(cfg)  # a missing folder is named now, not taken for a hub id
                 if self.model is not None:
                     self.model.close()
                     self.model = None

@@ -67,7 +67,8 @@ def test_uniform_groups_are_dropped_and_refilled_up_to_the_batch_size(ray_sessio
     zeros: the first batch keeps few groups, and refills bring more, never more than the batch."""
     config = example_config("grpo_full.yaml", tmp_path, max_steps=3, logging_steps=1, eval_dataset=None,
                             reward_funcs=["digit_ratio"], reward_weights=None, dynamic_filtering=True,
-                            max_num_gen_batches=MAX_BATCHES, num_generations=N)
+                            max_num_gen_batches=MAX_BATCHES, num_generations=N,
+                            rollout_backend="hf")  # filtering is the loop's; no vLLM engine to start
     assert config["rollout_batch_size"] == GROUPS
     result = run_exp(config)
 
