@@ -1,15 +1,15 @@
 """Several nodes, simulated on this machine with ``ray.cluster_utils.Cluster`` (real raylets, real
 object stores, one machine): a head that runs the driver, Ray Data and the Train controller, and
-three worker nodes with one ``train_slot`` each, so the two Ray Train workers land on two different
-nodes and the third is a spare.
+two worker nodes with one ``train_slot`` each, so the two Ray Train workers land on two different
+nodes; the test that removes a node adds a third, the spare.
 
-1. An sft run spreads its Train workers over two nodes and tokenizes in Ray Data tasks; rank 0
+1. An sft run (4 steps) spreads its Train workers over two nodes and tokenizes in Ray Data tasks; rank 0
    (on a worker node, not the driver's) writes output_dir, and Ray Train copies every checkpoint
    into ``ray_storage_path``, a local folder all nodes share here (NFS or s3:// on a real cluster).
-2. The same run, but at step KILL_STEP the node holding rank 0 is removed from the cluster (its
+2. A 10-step run (slow), but at step KILL_STEP the node holding rank 0 is removed from the cluster (its
    raylet and every process on it die together). With ``max_failures: 1`` Ray Train restarts the
    group on the spare node from the last checkpoint, and the run ends with every step logged once
-   and the same weights as the uninterrupted run 1.
+   and the same weights as that run uninterrupted.
 
 The driver runs in a subprocess that joins the cluster through ``ray_address``, as a user's
 ``rayfactory train`` on the head node would; the test process itself never joins it.
@@ -33,6 +33,7 @@ from stages.training.callbacks import read_log
 from tests.e2e.conftest import REPO_ROOT, tiny_sft_config
 
 MAX_STEPS, SAVE_STEPS, KILL_STEP = 10, 3, 5  # checkpoints at 3, 6, 9; the node dies between 3 and 6
+SPREAD_STEPS = 4  # the default suite's run: a checkpoint at 3 and the final save
 # Measured: the recovered run's final weights equal the uninterrupted run's exactly (0.0), as in
 # tests/e2e/test_resume.py; the bar leaves room for float noise only.
 WEIGHT_TOL = 1e-6
@@ -105,19 +106,20 @@ def cluster():
         initialize_head=True,
         head_node_args={"num_cpus": 2, "include_dashboard": True, "dashboard_port": dashboard_port},
     )
-    workers = [cluster.add_node(num_cpus=1, resources={"train_slot": 1}) for _ in range(3)]
+    # Two worker nodes; the spare a restart needs joins in the test that kills a node.
+    workers = [cluster.add_node(num_cpus=1, resources={"train_slot": 1}) for _ in range(2)]
     cluster.wait_for_nodes()
     cluster.dashboard_url = f"http://127.0.0.1:{dashboard_port}"
     yield cluster, workers
     cluster.shutdown()
 
 
-def _config(tmp_path, address: str, **overrides) -> dict:
+def _config(tmp_path, address: str, max_steps: int = MAX_STEPS, **overrides) -> dict:
     # Ray Data tokenizes, in tasks across the nodes: the demo data is small enough that
     # preprocessing_engine: auto would tokenize it in the driver.
     return tiny_sft_config(
         tmp_path / "out", ray_address=address, ray_num_workers=2, resources_per_worker={"CPU": 1, "train_slot": 1},
-        max_steps=MAX_STEPS, save_steps=SAVE_STEPS, ray_storage_path=str(tmp_path / "shared" / "ray_results"),
+        max_steps=max_steps, save_steps=SAVE_STEPS, ray_storage_path=str(tmp_path / "shared" / "ray_results"),
         preprocessing_engine="ray_data", **overrides,
     )
 
@@ -154,23 +156,24 @@ def uninterrupted(cluster, tmp_path_factory):
     return config, tmp_path
 
 
-def test_workers_and_data_tasks_spread_over_nodes(cluster, uninterrupted):
+def test_workers_and_data_tasks_spread_over_nodes(cluster, tmp_path):
     from ray.util.state import list_tasks
 
     head, workers = cluster
-    config, folder = uninterrupted
-    records = _records(folder)
+    config = _config(tmp_path, head.address, max_steps=SPREAD_STEPS)
+    _run_driver({"config": config, "folder": str(tmp_path)})
+    records = _records(tmp_path)
     worker_nodes = {node.node_id for node in workers}
     assert sorted(r["rank"] for r in records) == [0, 1]
     assert len({r["node"] for r in records}) == 2 and {r["node"] for r in records} <= worker_nodes
     # rank 0 sits on a worker node, yet its outputs are where the driver on the head reads them.
-    assert _logged_steps(config["output_dir"]) == list(range(1, MAX_STEPS + 1))
+    assert _logged_steps(config["output_dir"]) == list(range(1, SPREAD_STEPS + 1))
     assert os.path.exists(os.path.join(config["output_dir"], "model.safetensors"))
     (run_dir,) = os.listdir(config["ray_storage_path"])
     run_path = os.path.join(config["ray_storage_path"], run_dir)
     copies = sorted(d for d in os.listdir(run_path)  # (next to them: Ray's checkpoint_manager_snapshot.json)
                     if d.startswith("checkpoint_") and os.path.isdir(os.path.join(run_path, d)))
-    assert len(copies) == MAX_STEPS // SAVE_STEPS + 1  # 3, 6, 9 and the final save
+    assert len(copies) == SPREAD_STEPS // SAVE_STEPS + 1  # 3 and the final save
 
     tasks = list_tasks(address=head.dashboard_url, filters=[("type", "=", "NORMAL_TASK")], detail=True, limit=10000,
                        raise_on_missing_output=False)
@@ -188,6 +191,8 @@ def test_workers_and_data_tasks_spread_over_nodes(cluster, uninterrupted):
 @pytest.mark.slow
 def test_losing_the_node_of_rank_0_restarts_on_the_spare_node(cluster, uninterrupted, tmp_path):
     head, workers = cluster
+    workers = [*workers, head.add_node(num_cpus=1, resources={"train_slot": 1})]  # the spare
+    head.wait_for_nodes()
     reference, _ = uninterrupted
     victim = str(tmp_path / "victim")
     config = _config(tmp_path, head.address, max_failures=1)
