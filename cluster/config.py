@@ -251,7 +251,4 @@ def _build(group: str, kwargs: dict[str, Any], origin: dict[str, str], source: s
         raise ConfigError(f"{exc} (in {' / '.join(where)})") from None
 
 
-# --- rules across groups, and paths made absolute for workers on other machines -----------------
-
-
 __all__ = ["ConfigError", "RESOLVED_CONFIG_NAME", "RunConfig", "key_owners", "load_config", "parse_override"]

@@ -5,8 +5,8 @@ its own), what a config is read for when it applies (``train``, ``infer``: chat,
 ``submit``: a training run checked for another machine; ``check``: the web UI's look at a form),
 and whether it reads this machine (files a config names, installed packages, user modules):
 ``submit`` skips those, as the job's machine checks its own. A few steps resolve rather than
-refuse (paths made absolute, report_to's trackers listed); they say so (``resolves``) and run at
-their place in the same list, as the rules after them read what they resolved.
+refuse (paths made absolute, an explicit checkpoint found, report_to's trackers listed); they run
+at their place in the same list, as the rules after them read what they resolved.
 
 Every refusal is a ``ConfigError`` that carries its key, so each front door (the CLI, ``submit``,
 ``run_exp``, the web UI) shows the same paragraph and the web UI marks the field without reading
@@ -45,7 +45,6 @@ class Rule:
     keys: tuple[str, ...]  # the config keys it reads; a refusal without a key of its own names keys[0]
     purposes: tuple[str, ...]  # what a config is read for when the rule applies
     reads_machine: bool  # files, packages or modules of this machine: skipped by submit
-    resolves: bool  # changes the run (in place) instead of only refusing it
     check: Callable  # (run, where, purpose) -> None, or raises ConfigError
 
     def applies(self, purpose: str) -> bool:
@@ -56,7 +55,7 @@ RULES: dict[str, Rule] = {}
 
 
 def register_rule(name: str, keys: tuple[str, ...], purposes: tuple[str, ...] = TRAINING,
-                  reads_machine: bool = False, resolves: bool = False) -> Callable:
+                  reads_machine: bool = False) -> Callable:
     """Decorator: ``check(run, where, purpose)`` runs for ``purposes``, after the rules registered
     before it. A second rule of the same name is a mistake."""
     unknown = set(purposes) - set(EVERY_PURPOSE)
@@ -64,7 +63,7 @@ def register_rule(name: str, keys: tuple[str, ...], purposes: tuple[str, ...] = 
         raise ValueError(f"rule {name!r}: purposes must be among {EVERY_PURPOSE} and keys not empty")
 
     def register(check: Callable) -> Callable:
-        add_unique(RULES, name, Rule(name, tuple(keys), tuple(purposes), reads_machine, resolves, check), "Rule")
+        add_unique(RULES, name, Rule(name, tuple(keys), tuple(purposes), reads_machine, check), "Rule")
         return check
 
     return register
@@ -90,7 +89,10 @@ def run_rules(run, where: Where, purpose: str) -> None:
                 exc.key = cited[0] if cited else rule.keys[0]
             raise
 
+
 # --- the rules, in the order they run ------------------------------------------------------
+
+
 @register_rule("rl", ("stage",), TRAINING)
 def _rl(run, where: Where, purpose: str) -> None:
     """The RL stages' rules (cluster/rl_checks.py and the stage's own, from the stage table). On
@@ -124,7 +126,7 @@ def _template_known(run, where: Where, purpose: str) -> None:
     check_template(run.data.template)
 
 
-@register_rule("paths_absolute", ("output_dir", "model_name_or_path", "dataset_dir"), EVERY_PURPOSE, resolves=True)
+@register_rule("paths_absolute", ("output_dir", "model_name_or_path", "dataset_dir"), EVERY_PURPOSE)
 def _paths_absolute(run, where: Where, purpose: str) -> None:
     resolve_paths(run)  # workers and Serve replicas do not run in this directory
 
@@ -191,12 +193,12 @@ def _train_in_driver(run, where: Where, purpose: str) -> None:
         )
 
 
-@register_rule("resume_checkpoint", ("resume_from_checkpoint",), reads_machine=True, resolves=True)
+@register_rule("resume_checkpoint", ("resume_from_checkpoint",), reads_machine=True)
 def _resume_checkpoint(run, where: Where, purpose: str) -> None:
     resolve_explicit_checkpoint(run.training.values, where, run.finetuning.spec.checkpoint_kind)
 
 
-@register_rule("trackers", ("report_to",), resolves=True)
+@register_rule("trackers", ("report_to",))
 def _trackers(run, where: Where, purpose: str) -> None:
     training = run.training.values
     trackers = check_report_to(training.get("report_to", "none"), where, local=purpose != "submit")

@@ -11,16 +11,16 @@ from .config_types import ConfigError
 
 def check_local_paths(cfg) -> None:
     tuning = cfg.finetuning
-    named = [("model_name_or_path", cfg.model.model_name_or_path), ("ref_model", tuning.ref_model),
-             ("reward_model", tuning.reward_model)]
+    # (key, how the refusal names it, path)
+    named = [(key, key, path) for key, path in (("model_name_or_path", cfg.model.model_name_or_path),
+                                                ("ref_model", tuning.ref_model), ("reward_model", tuning.reward_model))]
     for key, paths in (("adapter_name_or_path", cfg.model.adapter_name_or_path),
                        ("ref_model_adapters", tuning.ref_model_adapters),
                        ("reward_model_adapters", tuning.reward_model_adapters)):
-        named += [(key, p) for p in paths or ()]
-    named += [(("lora_modules", f"lora_modules adapter {name!r}:"), p)
+        named += [(key, key, p) for p in paths or ()]
+    named += [("lora_modules", f"lora_modules adapter {name!r}:", p)
               for name, p in (cfg.inference.lora_modules or {}).items()]
-    for key, path in named:
-        key, label = key if isinstance(key, tuple) else (key, key)
+    for key, label, path in named:
         if path and looks_local(path) and not os.path.exists(os.path.expanduser(path)):
             if "adapter" in label:
                 fix = "Point it at a folder holding adapter_config.json, or use a hub id of a PEFT adapter."

@@ -4,18 +4,18 @@ a minority of its sampled replies; multi-turn GRPO with the built-in tools envir
 calls it makes (their results come back as observation turns) and rewards the episodes in which a
 tool result came back.
 
-Both tests are ``slow`` (the warm start alone is ~40 s). The default suite's tools-environment
-runs are test_rl_page.py's (a tiny grpo run with the calculator started from the web UI) and
-test_grpo_multi_turn.py's (a forced python call whose output comes back as an observation); the
-call parser is tests/stages' test_rl_tools.py. The mechanics run is SHORT_RL_STEPS of GRPO: the calls the policy itself writes are parsed and
-run, each step's tool reward is the share of episodes that got a result back (one call, then the
-answer), and the observations are in the trajectories. It generates with rollout_backend hf (the
-policy worker's own generate: the same tools environment without starting a vLLM engine; these 6
-steps took 38 s against 179 s through vLLM here, from the same warm start, on a busy machine;
-multi-turn episodes through vLLM are test_grpo_multi_turn.py's). The warm start is most of the
-test's time, and it cannot be much shorter: after 80 steps the policy writes no call at all.
-The ``slow`` test runs grpo_calculator.yaml as shipped (vLLM) for RL_STEPS and checks that the
-share rises. The longer figures (and the exact-match accuracy this model cannot reach: it
+Both tests are ``slow`` (the warm start alone is ~40 s). The default suite's tools-environment runs
+are test_rl_page.py's (a tiny grpo run with the calculator started from the web UI) and
+test_grpo_multi_turn.py's (a forced python call whose output comes back as an observation); the call
+parser is tests/stages' test_rl_tools.py. The mechanics run is SHORT_RL_STEPS of GRPO: the calls the
+policy itself writes are parsed and run, each step's tool reward is the share of episodes that got a
+result back (one call, then the answer), and the observations are in the trajectories. It generates
+with rollout_backend hf (the policy worker's own generate: the same tools environment without
+starting a vLLM engine; these 6 steps took 38 s against 179 s through vLLM here, from the same warm
+start, on a busy machine; multi-turn episodes through vLLM are test_grpo_multi_turn.py's). The warm
+start is most of the test's time, and it cannot be much shorter: after 80 steps the policy writes no
+call at all. The learning test runs grpo_calculator.yaml as shipped (vLLM) for RL_STEPS and checks
+that the share rises. The longer figures (and the exact-match accuracy this model cannot reach: it
 does not learn to copy digits) are benchmarks/tool_demo.py's."""
 
 from __future__ import annotations

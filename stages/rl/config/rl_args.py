@@ -346,7 +346,7 @@ class RLArguments:
         """Rules that depend on the stage's entry in the stage table (an RL stage's)."""
         registry.check_for_stage(self, stage)  # the estimator's critic and group size, GSPO's loss
         from stages.table import stages_where  # the table says whose loop filters groups
-        filtering = stages_where("rl.filters_groups")
+        filtering = stages_where("rl.filters_groups")  # for the refusals' wording
         if self.dynamic_filtering and not stage.rl.filters_groups:  # ppo's loop trains on every group
             raise ArgumentError(
                 "dynamic_filtering",
