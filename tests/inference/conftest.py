@@ -82,10 +82,38 @@ def serve_apps(serve_http: str, apps: dict):
     try:
         for name, (app, route_prefix) in apps.items():
             serve.run(app, name=name, route_prefix=route_prefix)
+        _wait_for_routes(serve_http, {route for _, route in apps.values()})
         yield serve_http
     finally:
         for name in apps:
             serve.delete(name)
+
+
+def _wait_for_routes(serve_http: str, routes: set[str], timeout_s: float = 180) -> None:
+    """Block until the proxy answers and routes every prefix in ``routes``.
+
+    ``serve.run`` returns once the replicas are healthy, but the proxy actor starts and learns its
+    routes on its own schedule: on a loaded 2-core machine (two pytest workers, each with a Ray) a
+    request sent at once was refused outright (CI, stop 67)."""
+    import time
+
+    import httpx
+
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            listed = httpx.get(serve_http + "/-/routes", timeout=10)
+            if listed.status_code == 200 and routes <= set(listed.json()):
+                return
+            seen = listed.text[:300]
+        except httpx.HTTPError as exc:
+            seen = repr(exc)
+        if time.monotonic() > deadline:
+            from ray import serve
+
+            raise AssertionError(f"the Serve proxy at {serve_http} did not route {sorted(routes)} within "
+                                 f"{timeout_s:.0f} s; last answer: {seen}; serve.status(): {serve.status()}")
+        time.sleep(0.5)
 
 
 @pytest.fixture(scope="session")

@@ -324,14 +324,11 @@ def test_cli_writes_a_serve_config(tmp_path, config, monkeypatch):
 @pytest.fixture(scope="module")
 def vllm_server(server, config):
     """The same app over the vLLM engine, at {server}/vllm: one for the module (its start is the slow part)."""
-    from ray import serve
-
     from cluster.serve.app import build_app
 
-    serve.run(build_app({**config, "infer_backend": "vllm", "vllm_cpu_kv_cache_gib": 0.05, "api_key": None}),
-              name="rayfactory-vllm", route_prefix="/vllm")
-    yield server + "/vllm"
-    serve.delete("rayfactory-vllm")
+    app = build_app({**config, "infer_backend": "vllm", "vllm_cpu_kv_cache_gib": 0.05, "api_key": None})
+    for url in serve_apps(server, {"rayfactory-vllm": (app, "/vllm")}):
+        yield url + "/vllm"
 
 
 def test_vllm_backend_greedy_parity(vllm_server, local_chat):
