@@ -2,7 +2,7 @@
 on our identity data (configs/smollm2_lora_sft.yaml), judged the way a user would, by chatting with
 the output (greedy, through ``cluster.api.ChatModel``).
 
-The default suite runs a few steps: the loss falls, the saved adapter loads and changes the
+The default suite runs three steps: the loss falls, the saved adapter loads and changes the
 model's answer. The ``slow`` test runs the example config as it is (30 steps, ~2 min here) and asks
 questions phrased unlike any training row: the model must give its new name and maker, and still
 answer an unrelated question.
@@ -40,10 +40,11 @@ def replies(adapter: str | None, questions: list[str]) -> list[str]:
 
 
 def test_a_few_lora_steps_on_the_real_model_change_its_answer(ray_session, tmp_path):
-    config = example_config(tmp_path, max_steps=8, logging_steps=1, warmup_steps=1)
+    # Three steps (measured: loss 4.67 -> 3.54 -> 3.18, and the answer changes); the learning claim is the slow test's.
+    config = example_config(tmp_path, max_steps=3, logging_steps=1, warmup_steps=0)
     result = run_exp(config)
     losses = [r["loss"] for r in read_log(result.output_dir) if "loss" in r]
-    assert len(losses) == 8 and losses[-1] < 0.7 * losses[0], losses
+    assert len(losses) == 3 and losses[-1] < 0.8 * losses[0], losses
     assert os.path.isfile(os.path.join(result.output_dir, "adapter_model.safetensors"))
     question = ["Who are you?"]
     base, trained = replies(None, question), replies(result.output_dir, question)

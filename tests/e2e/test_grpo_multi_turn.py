@@ -165,14 +165,16 @@ ANSWERED = "tests.e2e.test_grpo_multi_turn:sandbox_answered"
 def test_the_python_tool_example_runs_its_episodes_through_the_sandbox(ray_session, tmp_path):
     """configs/grpo_python_tool.yaml, 3 steps, with every episode's first reply taken as a call to
     the sandboxed python tool: the program runs isolated (as uid 65534, /etc/shadow out of sight)
-    and what it printed comes back as the observation the policy answers."""
+    and what it printed comes back as the observation the policy answers. The policy samples with
+    transformers (rollout_backend hf): the sandbox is the subject here, and a vLLM engine's start
+    would be most of the test's time."""
     try:
         check_isolation()
     except SandboxUnavailable as exc:
         skip_or_fail_in_ci(f"this machine cannot isolate a sandboxed run ({exc.piece})")
     config = example_config("grpo_python_tool.yaml", tmp_path, max_steps=3, logging_steps=1, tools=[],
                             environment="tests.e2e.test_grpo_multi_turn:ForcedPythonCall",
-                            reward_funcs=["final_number", ANSWERED])
+                            reward_funcs=["final_number", ANSWERED], rollout_backend="hf")
     result = run_exp(config)
 
     steps = _steps(result.output_dir)

@@ -135,10 +135,12 @@ def cpus_stay_free(ray, seconds: float = 15, release_s: float = 3) -> bool:
     return True
 
 
-@pytest.mark.parametrize("engine", ["driver", "ray_data"])
-def test_skip_bad_rows_trains_and_reports_the_skipped_row(tmp_path, session_address, engine):
+def test_skip_bad_rows_trains_and_reports_the_skipped_row(tmp_path, session_address):
+    """Skipped in Ray Data's tasks, whose counts and first errors the driver gathers. The driver
+    engine prints the aligner's own report (test_dataset_aligner.py) and gives Ray Data's tables
+    (test_data_pipeline.py's engine parity), so a second run here would add start-up time only."""
     source = write_dataset(tmp_path)
-    write_config(tmp_path, skip_bad_rows=True, max_steps=2, preprocessing_engine=engine)
+    write_config(tmp_path, skip_bad_rows=True, max_steps=2, preprocessing_engine="ray_data")
     done = rayfactory_train(tmp_path, session_address)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     assert (

@@ -57,7 +57,7 @@ def test_grpo_fields_write_the_rl_keys_and_sft_hides_them(webui, browser):
 GRPO_RUN = {
     "model_name_or_path": "tiny:qwen2", "template": "qwen", "stage": "grpo", "finetuning_type": "full",
     "dataset_dir": UI_DATA_DIR, "dataset": ["arith_train"], "eval_dataset": ["arith_eval"], "max_samples": 8,
-    "cutoff_len": 64, "logging_steps": 1, "max_steps": 4, "learning_rate": "1e-3",
+    "cutoff_len": 64, "logging_steps": 1, "max_steps": 2, "learning_rate": "1e-3",
     "reward_funcs": "exact_match, digit_ratio", "num_generations": "4", "rollout_batch_size": "2",
     "max_completion_length": "16", "rollout_backend": "hf", "environment": "tools", "tools": "calculator",
     "max_turns": "2", "max_turn_tokens": "8",
@@ -96,20 +96,20 @@ def test_the_page_draws_a_real_grpo_runs_charts_from_its_log(webui, browser):
 
     records = read_records(os.path.join(cwd, output_dir))  # what the run itself logged
     steps = [r["current_steps"] for r in records if "loss" in r]
-    assert steps == [1, 2, 3, 4], steps
+    assert steps == [1, 2], steps
     assert all("rollout/turns" in r and "rollout/tool_calls" in r for r in records if "loss" in r)
     evals = [r["current_steps"] for r in records if "eval_reward" in r]
-    assert evals[0] == 0 and evals[-1] == 4, evals  # before training and at its end
+    assert evals[0] == 0 and evals[-1] == 2, evals  # before training and at its end
     expected = {chart["id"]: {series["key"]: len(series["points"]) for series in chart["series"]}
                 for chart in charts(records)}
-    assert expected == {"loss": {"loss": 4}, "metric": {"reward": 4, "eval_reward": len(evals)},
-                        "turns": {"rollout/turns": 4, "rollout/tool_calls": 4}}, expected
+    assert expected == {"loss": {"loss": 2}, "metric": {"reward": 2, "eval_reward": len(evals)},
+                        "turns": {"rollout/turns": 2, "rollout/tool_calls": 2}}, expected
     # The page's last poll (the run had ended) drew exactly those series, in the server's order.
     for chart_id, series in expected.items():
         assert browser.find_element(By.ID, f"{chart_id}-chart").is_displayed(), chart_id
         assert drawn(browser, chart_id) == series, chart_id
         assert list(drawn(browser, chart_id)) == list(series)
-    assert browser.find_element(By.ID, "progress").text.startswith("step 4/4")
+    assert browser.find_element(By.ID, "progress").text.startswith("step 2/2")
     shot(browser, "train-grpo-finished")
 
     # A single-turn run's log has no turns series: the same page then draws no turns chart.
