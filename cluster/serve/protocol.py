@@ -19,6 +19,8 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from stages.inference.chat_model import ChatInputError, Response
 
+from .extensions import refused_extension
+
 
 # --- errors ----------------------------------------------------------------------------------
 
@@ -171,7 +173,9 @@ class StreamOptions(BaseModel):
 
 
 class ChatCompletionRequest(BaseModel):
-    model_config = ConfigDict(extra="ignore")  # OpenAI fields we do not implement are accepted
+    # Fields named nowhere here are kept aside: check_limits refuses those that would change the
+    # reply (cluster/serve/extensions.py), the rest are ignored.
+    model_config = ConfigDict(extra="allow")
 
     model: str
     messages: list[ChatMessage] = Field(min_length=1)
@@ -188,6 +192,10 @@ class ChatCompletionRequest(BaseModel):
     top_logprobs: Optional[int] = Field(None, ge=0, le=20)
     stream: bool = False
     stream_options: Optional[StreamOptions] = None
+    # vLLM's sampling extensions that our engines honour
+    top_k: Optional[int] = Field(None, ge=-1)  # 0 or -1: no cut
+    repetition_penalty: Optional[float] = Field(None, gt=0)
+    ignore_eos: bool = False  # the reply runs to max_tokens, past the end-of-turn token (stop strings still cut)
 
     @field_validator("tools")
     @classmethod
@@ -211,7 +219,11 @@ class ChatCompletionRequest(BaseModel):
         return [(i, url) for i, m in enumerate(self.messages) for url in m.image_urls()]
 
     def check_limits(self, limits) -> None:
-        """What this request asks for against the server's ``RequestLimits`` (400s)."""
+        """What this request asks for against the server's ``RequestLimits``, and fields it sets that
+        this server would have to ignore (400s)."""
+        refused = refused_extension(self.model_extra or {})
+        if refused:
+            raise APIError(400, refused[1], param=refused[0], code="unsupported_parameter")
         images = len(self.image_urls())
         if images > limits.max_images:
             raise APIError(400, f"the messages hold {images} images; this server takes at most {limits.max_images} "
@@ -309,6 +321,7 @@ def chat_options(request: ChatCompletionRequest, adapter: Optional[str]) -> dict
         adapter=adapter, n=request.n, stop=request.stops(), seed=request.seed, temperature=request.temperature,
         top_p=request.top_p, max_new_tokens=request.max_completion_tokens or request.max_tokens,
         logprobs=(request.top_logprobs or 0) if request.logprobs else None,
+        top_k=request.top_k, repetition_penalty=request.repetition_penalty, ignore_eos=request.ignore_eos,
     )
     if request.temperature is not None and request.temperature > 0:
         options["do_sample"] = True

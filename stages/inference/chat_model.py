@@ -151,7 +151,8 @@ class ChatModel:
         )
 
     def request(self, messages, system=None, tools=None, *, adapter=None, n=1, stop=(), logprobs=None,
-                images=None, **settings) -> GenerationRequest:
+                images=None, ignore_eos=False, **settings) -> GenerationRequest:
+        """``ignore_eos`` (vLLM's name): no stop token ends the reply, only max_new_tokens or a stop string."""
         if adapter is not None and adapter not in self.engine.adapters:
             raise ChatInputError(f"unknown adapter {adapter!r}; this model has {list(self.engine.adapters) or 'none'}.")
         if n < 1:
@@ -160,6 +161,8 @@ class ChatModel:
             raise ChatInputError(f"the {self.engine.name} engine here takes no images; set infer_backend: huggingface "
                                  "to chat with a vision-language model about images.")
         sampling = replace(self.sampling(**settings), n=n, stop_strings=tuple(stop or ()), logprobs=logprobs)
+        if ignore_eos:
+            sampling = replace(sampling, stop_token_ids=())
         ids, mm = self.encode_prompt(messages, system, tools, images)
         return GenerationRequest(tuple(ids), sampling, adapter, mm)
 

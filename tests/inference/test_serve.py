@@ -204,6 +204,9 @@ def test_tool_calls_become_openai_tool_calls():
     ({"model": "math", "messages": [{"role": "user", "content": LONG}]}, None, 400, "context_length_exceeded"),
     ({"model": "math", "messages": [{"role": "user", "content": LONG}], "stream": True}, None, 400,
      "context_length_exceeded"),
+    ({"model": "math", "messages": PROMPTS[0], "min_p": 0.1}, None, 400, "unsupported_parameter"),
+    ({"model": "math", "messages": PROMPTS[0], "response_format": {"type": "json_object"}}, None, 400,
+     "unsupported_parameter"),
     ({"model": "math", "messages": PROMPTS[0]}, {}, 401, "invalid_api_key"),
     ({"model": "math", "messages": PROMPTS[0]}, {"Authorization": "Bearer wrong"}, 401, "invalid_api_key"),
 ])
@@ -340,6 +343,22 @@ def test_vllm_backend_greedy_parity(vllm_server, local_chat):
         expected = local_chat.chat(PROMPTS[1], adapter=adapter)[0]
         assert answer.json()["choices"][0]["message"]["content"] == expected.response_text
         assert answer.json()["usage"]["completion_tokens"] == expected.response_length
+
+
+@pytest.mark.parametrize("backend", ["huggingface", "vllm"])
+def test_ignore_eos_runs_every_reply_to_max_tokens(request, backend):
+    """vLLM's ignore_eos, as benchmarks send it: each engine's reply is max_tokens long, whole or streamed."""
+    url = request.getfixturevalue("server" if backend == "huggingface" else "vllm_server") + "/v1/chat/completions"
+    for prompt in PROMPTS:
+        body = {"model": "math", "messages": prompt, "max_tokens": 24, "ignore_eos": True}
+        answer = httpx.post(url, json=body, headers=_auth(), timeout=120)
+        assert answer.status_code == 200, answer.text
+        assert answer.json()["usage"]["completion_tokens"] == 24
+        assert answer.json()["choices"][0]["finish_reason"] == "length"
+        with httpx.stream("POST", url, json={**body, "stream": True, "stream_options": {"include_usage": True}},
+                          headers=_auth(), timeout=120) as streamed:
+            chunks = [json.loads(line[6:]) for line in streamed.iter_lines() if line.startswith("data: {")]
+        assert chunks[-1]["usage"]["completion_tokens"] == 24
 
 
 def test_vllm_backend_generates_concurrent_requests_together(vllm_server):
