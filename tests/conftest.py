@@ -26,13 +26,38 @@ def pytest_configure(config):
         os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // workers)))
 
 
+# The Ray test files that take longest (CI's JUnit, over ~90 s each), in that order. pytest-xdist's
+# --dist loadfile hands files to its two workers in collection order, so a long file collected
+# last (the web UI's come last) keeps one worker busy while the other has nothing left: measured,
+# 84 s of the Ray part's 30 min. Starting the longest first leaves only short files for the end.
+# A hint only: a file missing from it, or a stale order, costs time, never a result. Except the
+# first: test_rl_placement.py replaces the worker's session Ray with a cluster of its own and back,
+# which would take the shared Serve proxy (tests/inference/conftest.py) with it; run first, it
+# comes before any session fixture is built on that Ray.
+LONGEST_FIRST = (
+    "e2e/test_rl_placement.py", "e2e/test_rl_resume.py", "e2e/test_grpo_async.py", "e2e/test_job_submit.py",
+    "e2e/test_user_errors.py", "e2e/test_resume.py", "e2e/test_rl_zero_ray.py", "e2e/test_dpo.py",
+    "e2e/test_multinode.py", "e2e/test_grpo_multi_turn.py", "e2e/test_console.py", "e2e/test_grpo.py",
+    "inference/test_serve.py", "e2e/test_ppo_remote_reward.py", "inference/test_serve_hardening.py",
+    "webui/test_webui.py", "e2e/test_fault_tolerance.py", "webui/test_rl_page.py",
+)
+
+
 def pytest_collection_modifyitems(config, items):
     """Mark every test that starts a real Ray with ``ray``, so ``pytest -m "not ray"`` is the fast
     loop: tests that use ``ray_session`` (directly or through another fixture) and everything
-    under tests/e2e/."""
+    under tests/e2e/. Then the longest files first (LONGEST_FIRST); the rest keep their order."""
     for item in items:
         if "ray_session" in getattr(item, "fixturenames", ()) or Path(str(item.path)).is_relative_to(E2E_DIR):
             item.add_marker(pytest.mark.ray)
+    rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
+    tests_dir = Path(REPO_ROOT) / "tests"
+
+    def place(item) -> int:
+        path = Path(str(item.path))
+        return rank.get(path.relative_to(tests_dir).as_posix(), len(rank)) if path.is_relative_to(tests_dir) else len(rank)
+
+    items.sort(key=place)  # stable: within a file, and among the unlisted files, the collected order holds
 
 
 @pytest.fixture(scope="session")
