@@ -345,10 +345,8 @@ def test_vllm_backend_greedy_parity(vllm_server, local_chat):
         assert answer.json()["usage"]["completion_tokens"] == expected.response_length
 
 
-@pytest.mark.parametrize("backend", ["huggingface", "vllm"])
-def test_ignore_eos_runs_every_reply_to_max_tokens(request, backend):
-    """vLLM's ignore_eos, as benchmarks send it: each engine's reply is max_tokens long, whole or streamed."""
-    url = request.getfixturevalue("server" if backend == "huggingface" else "vllm_server") + "/v1/chat/completions"
+def _assert_ignore_eos_runs_to_max_tokens(url: str) -> None:
+    """vLLM's ignore_eos, as benchmarks send it: every reply is max_tokens long, whole or streamed."""
     for prompt in PROMPTS:
         body = {"model": "math", "messages": prompt, "max_tokens": 24, "ignore_eos": True}
         answer = httpx.post(url, json=body, headers=_auth(), timeout=120)
@@ -359,6 +357,14 @@ def test_ignore_eos_runs_every_reply_to_max_tokens(request, backend):
                           headers=_auth(), timeout=120) as streamed:
             chunks = [json.loads(line[6:]) for line in streamed.iter_lines() if line.startswith("data: {")]
         assert chunks[-1]["usage"]["completion_tokens"] == 24
+
+
+def test_ignore_eos_runs_every_reply_to_max_tokens(server):
+    _assert_ignore_eos_runs_to_max_tokens(server + "/v1/chat/completions")
+
+
+def test_vllm_backend_honours_ignore_eos(vllm_server):
+    _assert_ignore_eos_runs_to_max_tokens(vllm_server + "/v1/chat/completions")
 
 
 def test_vllm_backend_generates_concurrent_requests_together(vllm_server):
