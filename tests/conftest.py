@@ -61,12 +61,17 @@ def pytest_collection_modifyitems(config, items):
 
 
 @pytest.fixture(scope="session")
-def ray_session():
+def ray_session(request):
     """One real local Ray for the whole session (starting one costs ~6 s on 2 cores).
 
     Four logical CPUs: two 1-CPU train workers, plus room for Ray Data tasks and the Train
     controller on a 2-core machine.
     """
+    if "not ray" in (request.config.option.markexpr or ""):
+        # A test got past the ray marker (a fixture fetched with request.getfixturevalue is not in
+        # its fixturenames): it would start Ray inside the fast loop and CI's Ray-free part.
+        pytest.fail("a test selected by -m 'not ray' asked for ray_session: name the Ray fixture in the test's "
+                    "signature or mark the test @pytest.mark.ray", pytrace=False)
     import ray
 
     from fabric.ray_args import RayArguments
