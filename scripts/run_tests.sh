@@ -19,9 +19,11 @@ fi
 # fixtures, a trained model or a serve app, are built once): each worker has its own local Ray,
 # whose processes descend from it, and every port is chosen free. A Ray test is CPU-bound for about
 # two thirds of its time (starting processes, waiting on them); two at once took 220 s where one at a
-# time took 317 s (tests/e2e/test_grpo.py and test_user_errors.py).
+# time took 317 s (tests/e2e/test_grpo.py and test_user_errors.py). --no-loadscope-reorder: files are
+# handed out in collection order, longest first (tests/conftest.py), not xdist's most-tests-first,
+# which left the long one-test files for last.
 status=0
 .venv/bin/python -m pytest -q -n 2 -m "not slow and not ray" --junitxml=.ci/last-junit-no-ray.xml || status=$?
-.venv/bin/python -m pytest -q -n 2 --dist loadfile -m "not slow and ray" --junitxml=.ci/last-junit-ray.xml || status=$?
+.venv/bin/python -m pytest -q -n 2 --dist loadfile --no-loadscope-reorder -m "not slow and ray" --junitxml=.ci/last-junit-ray.xml || status=$?
 .venv/bin/python scripts/slowest_tests.py .ci/last-junit-no-ray.xml .ci/last-junit-ray.xml --top 30 || true
 exit "$status"

@@ -26,14 +26,14 @@ def pytest_configure(config):
         os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // workers)))
 
 
-# The Ray test files that take longest (CI's JUnit, over ~90 s each), in that order. pytest-xdist's
-# --dist loadfile hands files to its two workers in collection order, so a long file collected
-# last (the web UI's come last) keeps one worker busy while the other has nothing left: measured,
-# 84 s of the Ray part's 30 min. Starting the longest first leaves only short files for the end.
-# A hint only: a file missing from it, or a stale order, costs time, never a result. Except the
-# first: test_rl_placement.py replaces the worker's session Ray with a cluster of its own and back,
-# which would take the shared Serve proxy (tests/inference/conftest.py) with it; run first, it
-# comes before any session fixture is built on that Ray.
+# The Ray test files that take longest (CI's JUnit, over ~90 s each), in that order. With
+# --no-loadscope-reorder (scripts/run_tests.sh) pytest-xdist's --dist loadfile hands files to its
+# two workers in collection order, so a long file collected last keeps one worker busy while the
+# other has nothing left (xdist's own order, most tests first, put every long one-test file last).
+# Starting the longest first leaves only short files for the end. A hint only: a file missing from
+# it, or a stale order, costs time, never a result. test_rl_placement.py comes first because it
+# replaces the worker's session Ray with a cluster of its own and back: run first, it precedes
+# everything built on that Ray (module fixtures rebuild on the new one).
 LONGEST_FIRST = (
     "e2e/test_rl_placement.py", "e2e/test_rl_resume.py", "e2e/test_grpo_async.py", "e2e/test_job_submit.py",
     "e2e/test_user_errors.py", "e2e/test_resume.py", "e2e/test_rl_zero_ray.py", "e2e/test_dpo.py",

@@ -61,11 +61,12 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def serve_http(ray_session):
-    """One Ray Serve HTTP proxy on 127.0.0.1 for every serve test of the run (starting and shutting
-    down Serve costs seconds each time): a module runs its apps on it with ``serve_apps`` and deletes
-    them when it is done, so the next module finds the routes free."""
+    """A Ray Serve HTTP proxy on 127.0.0.1 for a module's serve tests, which run their apps on it
+    with ``serve_apps``. One per module, not per session: a test file that swaps the worker's Ray
+    for a cluster of its own (tests/e2e/test_rl_placement.py) ends Serve with it, and a session-wide
+    proxy left its URL pointing at nothing (CI of stop 67: refused connections)."""
     from ray import serve
 
     port = free_port()
