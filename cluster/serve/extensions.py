@@ -14,6 +14,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from registries.datasets.formats import short_json
+
 # field -> (its neutral value, what to do instead)
 REFUSED: dict[str, tuple[Any, str]] = {
     "frequency_penalty": (0, "use repetition_penalty (vLLM's name) instead"),
@@ -55,7 +57,6 @@ def refused_extension(extra: dict[str, Any]) -> tuple[str, str] | None:
         neutral, instead = REFUSED[name]
         if value is None or value == neutral or (isinstance(neutral, (list, dict)) and not value):
             continue
-        shown = repr(value) if len(repr(value)) <= 60 else repr(value)[:57] + "..."
-        return name, (f"{name} is not supported by this server (set to {shown}, it would change the reply, so it is "
+        return name, (f"{name} is not supported by this server (set to {short_json(value)}, it would change the reply, so it is "
                       f"refused rather than ignored); {instead}.")
     return None

@@ -84,7 +84,7 @@ def _alpaca_history(ctx: RowContext) -> list[dict[str, str]]:
     messages = []
     for i, pair in enumerate(pairs):
         if not isinstance(pair, (list, tuple)) or len(pair) != 2 or not all(isinstance(t, str) for t in pair):
-            problem = f"history item {i} is {_short(pair)}, expected a pair of strings [prompt, response]"
+            problem = f"history item {i} is {short_json(pair)}, expected a pair of strings [prompt, response]"
             ctx.fail(f"{column}[{i}]", problem)
         messages += [_message("user", pair[0]), _message("assistant", pair[1])]
     return messages
@@ -246,7 +246,8 @@ def _tag_of(attr, role: str) -> str:
     return attr.tag(f"{role}_tag")
 
 
-def _short(value: Any) -> str:
+def short_json(value: Any) -> str:
+    """``value`` as JSON, cut to 60 characters: how a message quotes a value someone sent."""
     text = json.dumps(value, ensure_ascii=False, default=str)
     return text if len(text) <= 60 else text[:57] + "..."
 
