@@ -55,7 +55,8 @@ def pytest_collection_modifyitems(config, items):
 
     def place(item) -> int:
         path = Path(str(item.path))
-        return rank.get(path.relative_to(tests_dir).as_posix(), len(rank)) if path.is_relative_to(tests_dir) else len(rank)
+        name = path.relative_to(tests_dir).as_posix() if path.is_relative_to(tests_dir) else ""
+        return rank.get(name, len(rank))
 
     items.sort(key=place)  # stable: within a file, and among the unlisted files, the collected order holds
 

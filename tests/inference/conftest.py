@@ -90,12 +90,12 @@ def serve_apps(serve_http: str, apps: dict):
             serve.delete(name)
 
 
-def _wait_for_routes(serve_http: str, routes: set[str], timeout_s: float = 180) -> None:
+def _wait_for_routes(serve_http: str, routes: set[str], timeout_s: float = 60) -> None:
     """Block until the proxy answers and routes every prefix in ``routes``.
 
-    ``serve.run`` returns once the replicas are healthy, but the proxy actor starts and learns its
-    routes on its own schedule: on a loaded 2-core machine (two pytest workers, each with a Ray) a
-    request sent at once was refused outright (CI, stop 67)."""
+    ``serve.run`` returns once the replicas are healthy; the proxy learns the new routes a moment
+    later, by long poll. When it never does, the error shows Serve's own view, which is how a proxy
+    of a replaced Ray, listening elsewhere, was found (CI of stop 67)."""
     import time
 
     import httpx
