@@ -16,7 +16,7 @@ import ray
 from ray.exceptions import RayTaskError
 
 from registries.errors import UserError, find_user_error
-from stages.rl.controller.loop import concat, split_evenly  # noqa: F401  (re-exported: the groups' way to shard work)
+from stages.rl.controller.shards import concat, split_evenly  # noqa: F401  (re-exported: the groups' way to shard work)
 
 from .placement import RolePlacement
 

@@ -25,7 +25,8 @@ import torch
 
 from stages.rl.algorithms.registry import ADVANTAGE_ESTIMATORS
 from stages.rl.algorithms.grpo_math import compute_advantages, kl_penalty, loss_normalizer
-from stages.rl.controller.loop import RunProgress, completion_texts, count_steps, reward_totals, split_evenly
+from stages.rl.controller.loop import RunProgress, completion_texts, count_steps, reward_totals
+from stages.rl.controller.shards import split_evenly
 from stages.rl.controller.rollouts import greedy_samples, sampling_spec
 from stages.rl.algorithms.overlong import with_overlong_penalty
 from stages.rl.algorithms.ppo_math import RunningMoments, gae, kl_controller, normalize_scores, token_rewards

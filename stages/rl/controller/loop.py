@@ -14,7 +14,7 @@ import logging
 import math
 import random
 import time
-from typing import Callable, Iterator, Optional, TypeVar
+from typing import Callable, Iterator, Optional
 
 from stages.training.callbacks import truncate_log
 from stages.training.checkpoints import commit_checkpoint, staging_folder, uncommit_after
@@ -28,7 +28,6 @@ from stages.engines.types import SamplingSpec
 from stages.rl.config.types import RolloutSample
 
 logger = logging.getLogger(__name__)
-T = TypeVar("T")
 
 
 class RunProgress:
@@ -225,17 +224,3 @@ def reward_columns(batch: list[PromptRow], samples: list[RolloutSample], tokeniz
         columns["tool_calls"] = [s.tool_calls for s in samples]
         columns["environment_reward"] = [s.environment_reward for s in samples]
     return columns
-
-
-def split_evenly(items: list[T], parts: int) -> list[list[T]]:
-    """``parts`` contiguous slices whose sizes differ by at most one (the first ones are longer)."""
-    if parts < 1:
-        raise ValueError(f"split_evenly needs at least one part, got {parts}.")
-    size, extra = divmod(len(items), parts)
-    bounds = [i * size + min(i, extra) for i in range(parts + 1)]
-    return [list(items[bounds[i]:bounds[i + 1]]) for i in range(parts)]
-
-
-def concat(results: list[list[T]]) -> list[T]:
-    """The inverse of split_evenly: per-rank lists back into one, in rank order."""
-    return [item for part in results for item in part]
