@@ -18,7 +18,7 @@ from tests.e2e.test_grpo import _rewards, _rises
 from tests.e2e.test_rl_resume import _steps
 
 
-def _one_step_run(tmp_path, max_steps: int) -> tuple[str, dict]:
+def _one_step_run(tmp_path, max_steps: int, reward: str = "digit_ratio") -> tuple[str, dict]:
     """configs/grpo_full.yaml with async_rollout one_step for ``max_steps``: every batch after the
     first was sampled with weights one update old (the sampler's log-probs visibly differ from the
     policy's, where the synchronous loop's agree to 1e-4), the engine generated it while the policy
@@ -28,7 +28,7 @@ def _one_step_run(tmp_path, max_steps: int) -> tuple[str, dict]:
     in the policy loss (stages/rl/algorithms/grpo_math.py), so weights computed and logged but never passed
     to the loss (or never multiplied in) leave it absent or 0, and the run's asserts fail."""
     config = example_config("grpo_full.yaml", tmp_path, max_steps=max_steps, logging_steps=1, eval_dataset=None,
-                            reward_funcs=["digit_ratio"], reward_weights=None, async_rollout="one_step", top_k=0)
+                            reward_funcs=[reward], reward_weights=None, async_rollout="one_step", top_k=0)
     result = run_exp(config)
 
     steps = _steps(result.output_dir)
@@ -55,10 +55,19 @@ def test_one_step_async_grpo_trains_on_stale_samples_with_correction(ray_session
     _one_step_run(tmp_path, max_steps=8)
 
 
+def low_token_share(prompts, completions, completion_ids, **kwargs):
+    """The share of the completion's tokens whose id is in the vocabulary's lower half: a dense
+    token-level reward with a base rate near 0.5 under untruncated sampling. Correction refuses
+    top_k > 0 (tests/stages), and among ~1000 near-uniform tokens digit_ratio's base rate is
+    0.003: 30 steps showed it no digit to reinforce."""
+    return [sum(i < 513 for i in ids) / len(ids) if len(ids) else 0.0 for ids in completion_ids]
+
+
 @pytest.mark.slow
 def test_one_step_async_grpo_learns_from_stale_samples_with_correction(ray_session, tmp_path):
-    """The same run for 30 steps: with stale, corrected samples the format reward still rises."""
-    output_dir, _ = _one_step_run(tmp_path, max_steps=30)
+    """The same run for 30 steps, on a reward the untruncated sampler can see: with stale,
+    corrected samples it still rises."""
+    output_dir, _ = _one_step_run(tmp_path, max_steps=30, reward="tests.e2e.test_grpo_async:low_token_share")
     assert _rises(_rewards(output_dir))
 
 
