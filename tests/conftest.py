@@ -26,7 +26,7 @@ def pytest_configure(config):
         os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // workers)))
 
 
-# The Ray test files that take longest (CI's JUnit, over ~90 s each), in that order. With
+# The Ray test files that take longest (CI's JUnit, over ~80 s each), in that order. With
 # --no-loadscope-reorder (scripts/run_tests.sh) pytest-xdist's --dist loadfile hands files to its
 # two workers in collection order, so a long file collected last keeps one worker busy while the
 # other has nothing left (xdist's own order, most tests first, put every long one-test file last).
@@ -35,11 +35,11 @@ def pytest_configure(config):
 # replaces the worker's session Ray with a cluster of its own and back: run first, it precedes
 # everything built on that Ray (module fixtures rebuild on the new one).
 LONGEST_FIRST = (
-    "e2e/test_rl_placement.py", "e2e/test_rl_resume.py", "e2e/test_grpo_async.py", "e2e/test_job_submit.py",
-    "e2e/test_user_errors.py", "e2e/test_resume.py", "e2e/test_rl_zero_ray.py", "e2e/test_dpo.py",
-    "e2e/test_multinode.py", "e2e/test_grpo_multi_turn.py", "e2e/test_console.py", "e2e/test_grpo.py",
-    "inference/test_serve.py", "e2e/test_ppo_remote_reward.py", "inference/test_serve_hardening.py",
-    "webui/test_webui.py", "e2e/test_fault_tolerance.py", "webui/test_rl_page.py",
+    "e2e/test_rl_placement.py", "e2e/test_grpo_async.py", "webui/test_webui.py", "e2e/test_dpo.py",
+    "e2e/test_rl_zero_ray.py", "e2e/test_grpo.py", "e2e/test_rl_resume.py", "e2e/test_job_submit.py",
+    "e2e/test_console.py", "e2e/test_resume.py", "e2e/test_user_errors.py", "inference/test_serve_hardening.py",
+    "inference/test_serve.py", "e2e/test_fault_tolerance.py", "e2e/test_grpo_multi_turn.py",
+    "e2e/test_multinode.py", "e2e/test_ppo_remote_reward.py", "e2e/test_worker_parity.py",
 )
 
 
