@@ -22,14 +22,17 @@ DEFAULT_STORAGE_DIR = "ray_results"
 class RayArguments:
     # None: connect to the cluster in RAY_ADDRESS (``ray job submit`` sets it), else start a local one.
     ray_address: str | None = None
-    ray_num_workers: int = 1
+    ray_num_workers: int = 1  # Ray Train workers (data-parallel ranks); RL: the policy's ranks
+    # each worker's Ray resources, e.g. {CPU: 4, GPU: 1}
     resources_per_worker: dict[str, float] = field(default_factory=lambda: {"CPU": 1})
+    # how the workers' bundles are placed on nodes (Ray placement groups)
     placement_strategy: Literal["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"] = "PACK"
     # Where Ray Train copies each checkpoint (a worker group's restarts after a failure restore it);
     # None: output_dir/ray_results. Ray needs an absolute path (or a URI such as s3://...); relative
     # paths resolve against the directory the run is started from, here on the driver, so workers agree on it.
     ray_storage_path: str | None = None
-    ray_run_name: str | None = None
+    ray_run_name: str | None = None  # Ray Train's run name; None: made from output_dir and the time
+    # extra ray.init arguments for a local Ray (e.g. object_store_memory)
     ray_init_kwargs: dict[str, Any] = field(default_factory=dict)
     max_failures: int = 0  # worker-group restarts (Ray Train FailureConfig); -1 retries forever
     # torch threads in each CPU train worker (RL: each policy rank). None: a lone worker
@@ -49,14 +52,14 @@ class RayArguments:
     # RL stages: the policy is ray_num_workers x resources_per_worker (a reference policy lives in
     # the same processes); the rollout engines are placed as these keys say.
     rollout_num_engines: int = 1
-    rollout_resources: dict[str, float] = field(default_factory=lambda: {"CPU": 1})
+    rollout_resources: dict[str, float] = field(default_factory=lambda: {"CPU": 1})  # each engine's Ray resources
     rollout_tensor_parallel_size: int = 1  # GPUs per engine (vLLM tensor parallel); CPU engines: 1
     colocate_rollout: bool = False  # engines share the policy workers' bundles instead of their own
     # Stage ppo: the critic's ranks (DDP, like the policy's) and the reward model's actors.
     critic_num_workers: int | None = None  # None: ray_num_workers
     critic_resources: dict[str, float] | None = None  # None: resources_per_worker
-    reward_num_workers: int = 1
-    reward_resources: dict[str, float] = field(default_factory=lambda: {"CPU": 1})
+    reward_num_workers: int = 1  # actors of a ppo reward model
+    reward_resources: dict[str, float] = field(default_factory=lambda: {"CPU": 1})  # each reward actor's Ray resources
     colocate_critic_reward: bool = False  # the reward model sits on the critic's bundles (OpenRLHF's option)
     colocate_all: bool = False  # every role (critic, reward, rollout) shares the policy workers' bundles
 

@@ -39,16 +39,19 @@ class TrainingOptionsError(UserError):
 class ModelArguments:
     model_name_or_path: str | None = None  # required; None only so the error can say so clearly
     adapter_name_or_path: list[str] | None = None  # "a,b" merges adapters in order
-    trust_remote_code: bool = False
+    trust_remote_code: bool = False  # run the model repo's own Python code (hub models that need it)
+    # LLaMA-Factory's key: the embeddings are resized whenever the template adds tokens, either way
     resize_vocab: bool = False
-    model_revision: str = "main"
-    cache_dir: str | None = None
+    model_revision: str = "main"  # the hub branch, tag or commit to load
+    cache_dir: str | None = None  # the hub cache folder; None: HF_HOME's
+    # 4 or 8: load the base quantized with bitsandbytes (lora on it is QLoRA)
     quantization_bit: Literal[4, 8] | None = None
     quantization_method: Literal["bnb"] = "bnb"  # LLaMA-Factory's key; bitsandbytes is the only one here
-    quantization_type: Literal["nf4", "fp4"] = "nf4"
-    double_quantization: bool = True
+    quantization_type: Literal["nf4", "fp4"] = "nf4"  # 4-bit data type
+    double_quantization: bool = True  # 4-bit: quantize the quantization constants too
     # "auto" loads weights in the trainer's precision: bfloat16 with bf16, float16 with fp16, else float32.
     torch_dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    # chat, predict and serve load weights in this dtype; auto: transformers' choice (CPU vLLM: float32)
     infer_dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
     # None lets transformers pick (sdpa where it can).
     attn_implementation: AttentionImpl | None = None
@@ -63,24 +66,26 @@ class ModelArguments:
 @dataclass
 class FinetuningArguments:
     stage: str = "sft"  # a name in the stage table (stages/table.py)
+    # lora: adapters only; freeze: the last layers; full: every weight
     finetuning_type: Literal["full", "freeze", "lora"] = "lora"
     # freeze: train the last N layers (negative: the first N), limited to these modules.
     freeze_trainable_layers: int = 2
+    # freeze: the module names trained inside those layers; all: every one
     freeze_trainable_modules: list[str] = field(default_factory=lambda: ["all"])
-    freeze_extra_modules: list[str] | None = None
-    lora_rank: int = 8
+    freeze_extra_modules: list[str] | None = None  # freeze: modules outside the layers trained too (e.g. embed_tokens)
+    lora_rank: int = 8  # the adapters' rank r
     lora_alpha: int | None = None  # None means 2 * lora_rank, as in LLaMA-Factory
-    lora_dropout: float = 0.0
+    lora_dropout: float = 0.0  # dropout on the adapters' input
     lora_target: list[str] = field(default_factory=lambda: ["all"])  # "all": every linear layer but the head
     additional_target: list[str] | None = None  # modules trained fully next to the adapter (e.g. embed_tokens)
-    use_rslora: bool = False
-    use_dora: bool = False
+    use_rslora: bool = False  # rank-stabilised scaling: alpha / sqrt(r) instead of alpha / r
+    use_dora: bool = False  # weight-decomposed LoRA (DoRA)
     # Vision-language models (LLaMA-Factory's names and defaults; stages/training/vision_freeze.py has
     # each family's module names): the vision tower and the projector stay frozen and LoRA stays on
     # the language model unless told otherwise. Text models ignore them, as LLaMA-Factory does.
     freeze_vision_tower: bool = True
-    freeze_multi_modal_projector: bool = True
-    freeze_language_model: bool = False
+    freeze_multi_modal_projector: bool = True  # see freeze_vision_tower
+    freeze_language_model: bool = False  # see freeze_vision_tower
     # LLaMA-Factory 0.9.2's spelling of "only the projector trains" (full only), kept for its YAML files:
     # it sets the three above (freeze_vision_tower and freeze_language_model true, the projector trained).
     train_mm_proj_only: bool = False
@@ -88,21 +93,22 @@ class FinetuningArguments:
     # orpo and simpo (the last two need no reference model).
     pref_beta: float = 0.1
     pref_ftx: float = 0.0  # weight of the SFT loss added to the preference loss
-    pref_loss: Literal["sigmoid", "hinge", "ipo", "orpo", "simpo"] = "sigmoid"
-    dpo_label_smoothing: float = 0.0
-    simpo_gamma: float = 0.5
-    kto_chosen_weight: float = 1.0
-    kto_rejected_weight: float = 1.0
+    pref_loss: Literal["sigmoid", "hinge", "ipo", "orpo", "simpo"] = "sigmoid"  # see pref_beta
+    dpo_label_smoothing: float = 0.0  # sigmoid only: the share of pairs assumed mislabelled (cDPO)
+    simpo_gamma: float = 0.5  # simpo's target reward margin
+    kto_chosen_weight: float = 1.0  # kto: weight of the desirable examples' loss
+    kto_rejected_weight: float = 1.0  # kto: weight of the undesirable examples' loss
     ref_model: str | None = None  # None: the policy's own initial weights (adapter disabled for LoRA)
-    ref_model_adapters: list[str] | None = None
+    ref_model_adapters: list[str] | None = None  # adapters merged into ref_model, in order
     # Stage ppo scores completions with reward_model (a stage rm output) and/or reward_funcs.
     # reward_model_type, as in LLaMA-Factory: lora, an rm adapter on the policy's own base model;
     # full, a whole reward model of its own; api, reward_model is the URL of a reward server (or an
     # LLM judge's /v1/chat/completions) that the controller calls (stages/rl/controller/remote_reward.py).
     reward_model: str | None = None
+    # LLaMA-Factory's key, refused when set: merge the adapters with rayfactory export first.
     reward_model_adapters: list[str] | None = None
-    reward_model_type: Literal["lora", "full", "api"] = "lora"
-    plot_loss: bool = False
+    reward_model_type: Literal["lora", "full", "api"] = "lora"  # see reward_model
+    plot_loss: bool = False  # training_<key>.png in output_dir for the loss and the other logged series
     # LLaMA-Factory's key (transformers 5 dropped it from TrainingArguments): a run that starts from step 0
     # in an output_dir holding another run replaces it instead of being refused (cluster/replaced_run.py).
     overwrite_output_dir: bool = False
@@ -203,16 +209,16 @@ class GeneratingArguments:
     """Decoding options (LLaMA-Factory names). Parsed and saved with every run; chat, predict and
     the RL rollouts read them (as a stages/engines SamplingSpec)."""
 
-    do_sample: bool = True
-    temperature: float = 0.95
-    top_p: float = 0.7
-    top_k: int = 50
-    num_beams: int = 1
-    max_length: int = 1024
-    max_new_tokens: int = 1024
-    repetition_penalty: float = 1.0
-    length_penalty: float = 1.0
-    skip_special_tokens: bool = True
+    do_sample: bool = True  # false: greedy decoding
+    temperature: float = 0.95  # sampling temperature
+    top_p: float = 0.7  # nucleus sampling: the smallest set of tokens whose probabilities sum to top_p
+    top_k: int = 50  # sample among the k likeliest tokens; 0: no cut
+    num_beams: int = 1  # beam search width (transformers engine; 1: none)
+    max_length: int = 1024  # prompt + reply tokens, when max_new_tokens is not set
+    max_new_tokens: int = 1024  # reply tokens at most
+    repetition_penalty: float = 1.0  # penalises tokens already present (1.0: none)
+    length_penalty: float = 1.0  # beam search's length exponent
+    skip_special_tokens: bool = True  # decode replies without special tokens
 
     def to_generate_kwargs(self) -> dict[str, Any]:
         """Keyword arguments for ``model.generate``; sampling knobs only when sampling."""

@@ -17,16 +17,17 @@ from registries.errors import ArgumentError
 @dataclass
 class ServeArguments:
     api_host: str = "127.0.0.1"  # loopback by default: nothing outside this machine can reach it
-    api_port: int = 8000
+    api_port: int = 8000  # the HTTP port of the Serve proxy
     api_key: Optional[str] = None  # when set, every request needs "Authorization: Bearer <key>"
     # Without a key, the Host header must name this server: loopback, api_host, or one of these
     # (`--allow-host`), so a web page whose own name resolves to 127.0.0.1 (DNS rebinding) cannot use it.
     serve_allow_hosts: list[str] = field(default_factory=list)
-    serve_num_replicas: int = 1
+    serve_num_replicas: int = 1  # copies of the model, each an actor with serve_replica_resources
     # Ray Serve autoscaling_config (min_replicas, max_replicas, target_ongoing_requests, ...);
     # when set it replaces serve_num_replicas.
     serve_autoscaling: Optional[dict[str, Any]] = None
     serve_max_ongoing_requests: int = 64  # per replica; more wait in Serve's queue
+    # each replica's Ray resources
     serve_replica_resources: dict[str, float] = field(default_factory=lambda: {"CPU": 1})
     # What one request may ask for: more is answered with a 4xx before any work starts.
     serve_max_request_bytes: int = 1 << 20  # the JSON body (1 MiB; the prompt-token cap is vllm_maxlen)

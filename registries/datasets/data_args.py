@@ -20,19 +20,20 @@ PREPROCESSING_ENGINES = ("auto", "driver", "ray_data")
 
 @dataclass
 class DataArguments:
-    template: str | None = None
+    template: str | None = None  # a chat template's name (registries/templates), or auto: the tokenizer's own
     dataset: list[str] | None = None  # names in dataset_info.json; "a,b" is accepted
-    eval_dataset: list[str] | None = None
-    dataset_dir: str = "data"
-    cutoff_len: int = 2048
-    train_on_prompt: bool = False
-    mask_history: bool = False
+    eval_dataset: list[str] | None = None  # names in dataset_info.json, evaluated at eval_steps
+    dataset_dir: str = "data"  # the folder holding dataset_info.json and the data files
+    cutoff_len: int = 2048  # tokens per example at most; longer ones are cut as LLaMA-Factory cuts them
+    train_on_prompt: bool = False  # also train on the prompt tokens (sft)
+    mask_history: bool = False  # train on the last answer only, not the earlier turns'
+    # Several datasets: concat, interleave_under (ends with the shortest), interleave_over (the longest).
     mix_strategy: str = "concat"
-    interleave_probs: list[float] | None = None
+    interleave_probs: list[float] | None = None  # interleave: each dataset's sampling probability
     max_samples: int | None = None  # per dataset, after num_samples
     val_size: float = 0.0  # a fraction in (0, 1) or a row count >= 1
     packing: bool | None = None  # None: the stage decides (pt packs, the others do not)
-    neat_packing: bool = False
+    neat_packing: bool = False  # packing without attention across the packed examples
     # RayFactory's own: training batches (pt, sft, rm, dpo, kto) laid end to end with restarting
     # position ids instead of padded (the same gradient, no compute on pads). null: on where the
     # model supports it.
@@ -40,17 +41,17 @@ class DataArguments:
     # LLaMA-Factory's image budget (its defaults): each picture is resized to at most / at least this
     # many pixels before the vision processor; fewer pixels, fewer image tokens per picture.
     image_max_pixels: int = 768 * 768
-    image_min_pixels: int = 32 * 32
-    tool_format: str | None = None
-    default_system: str | None = None
-    enable_thinking: bool | None = True
+    image_min_pixels: int = 32 * 32  # see image_max_pixels
+    tool_format: str | None = None  # how tool calls are written (registries/templates/tools); None: the template's
+    default_system: str | None = None  # the system prompt when a row has none; None: the template's
+    enable_thinking: bool | None = True  # reasoning templates (qwen3, ...): false writes an empty thinking block
     # RayFactory's own: special-token spellings in user and tool text (a user typing <|im_end|>):
     # false encodes them as the special tokens (LLaMA-Factory's behaviour, the data author is
     # trusted), true as plain text. null: false for training data, true for inference requests
     # (chat, serve, the web UI), whose callers are not trusted.
     escape_special_tokens: bool | None = None
-    tokenized_path: str | None = None
-    overwrite_cache: bool = False
+    tokenized_path: str | None = None  # save the tokenized dataset here, and load it from here on later runs
+    overwrite_cache: bool = False  # tokenize again even when tokenized_path holds a matching dataset
     # Each train worker reads its own share of the training data as it trains, instead of holding
     # the whole tokenized dataset (corpora larger than a worker's memory); needs max_steps.
     streaming: bool = False

@@ -17,6 +17,7 @@ BACKEND_ALIASES = {"hf": "huggingface"}
 
 @dataclass
 class InferenceArguments:
+    # the engine of chat, predict and serve: huggingface (hf) or vllm
     infer_backend: Literal["huggingface", "hf", "vllm"] = "huggingface"
     # The engine's context window (prompt + reply). vLLM preallocates KV cache for it.
     vllm_maxlen: int = 4096
@@ -62,7 +63,7 @@ class ExportArguments:
     # gguf: also one GGUF file for llama.cpp / Ollama (tokenizer and chat template inside) and an
     # Ollama Modelfile, next to the merged model (stages/inference/gguf_export.py).
     export_format: Literal["safetensors", "gguf"] = "safetensors"
-    export_gguf_type: Literal["f32", "f16", "bf16", "q8_0"] = "f16"
+    export_gguf_type: Literal["f32", "f16", "bf16", "q8_0"] = "f16"  # export_format gguf: the GGUF weights' type
 
     def __post_init__(self) -> None:
         if self.export_size <= 0:

@@ -33,8 +33,8 @@ def default_correction(asynchronous: bool) -> bool:
 class RLArguments:
     # --- rollouts -------------------------------------------------------------------------------
     rollout_batch_size: int = 8  # prompts per step; each gets num_generations completions
-    num_generations: int = 4
-    max_completion_length: int = 32
+    num_generations: int = 4  # completions per prompt (a group)
+    max_completion_length: int = 32  # tokens per completion (multi-turn: the whole trajectory)
     rollout_backend: Literal["vllm", "hf"] = "vllm"  # hf: transformers generate() inside the policy workers
     # Asynchronous rollouts (stages/rl/controller/rollouts.py): off, today's synchronous step; one_step,
     # the engines generate the next batch while the policy trains on this one (samples one version
@@ -67,7 +67,7 @@ class RLArguments:
     # KL-to-reference weight; 0 loads no reference model at all. grpo adds it to the loss; ppo puts
     # the KL into the reward, per token, and beta is the KL controller's starting coefficient.
     beta: float = 0.0
-    kl_estimator: str = "k3"
+    kl_estimator: str = "k3"  # k1, k2 or k3 (Schulman's); registered names, stages/rl/algorithms/registry.py
     epsilon: float = 0.2  # clip range of the probability ratio ...
     epsilon_high: Optional[float] = None  # ... and its upper side (DAPO's clip-higher); None: epsilon
     loss_type: str = "dapo"  # grpo (sequence mean), dapo (token mean), dr_grpo, cispo, sapo, ...
@@ -79,7 +79,7 @@ class RLArguments:
     # DAPO's soft overlong punishment: up to -overlong_penalty_factor added to the reward, linearly
     # over the last overlong_buffer_len tokens before max_completion_length; 0 turns it off.
     overlong_buffer_len: int = 0
-    overlong_penalty_factor: float = 1.0
+    overlong_penalty_factor: float = 1.0  # see overlong_buffer_len
     num_iterations: int = 1  # policy updates per rollout batch (TRL's mu)
     # Micro-batches of the policy's and critic's passes (update, log-probs, reference, values) by a
     # budget of tokens instead of per_device_train_batch_size rows: verl's per-GPU token cap. Padded
@@ -141,16 +141,16 @@ class RLArguments:
     # connection errors, timeouts, HTTP 429/5xx), requests in flight at once, and completions per
     # request to a reward server (a judge gets one request per completion).
     reward_api_timeout: float = 30.0
-    reward_api_retries: int = 3
-    reward_api_concurrency: int = 8
-    reward_api_batch_size: int = 32
+    reward_api_retries: int = 3  # see reward_api_timeout
+    reward_api_concurrency: int = 8  # see reward_api_timeout
+    reward_api_batch_size: int = 32  # see reward_api_timeout
     # An LLM judge (reward_model an OpenAI-style .../chat/completions URL): the rubric sent for each
     # completion, with {prompt}, {completion} and {reference} filled in, asking for "Score: N"
     # (None: the built-in 0-10 rubric); the served model to ask (None: the first the server lists);
     # the score that maps to reward 1 (replies are scaled to [0, 1]).
     reward_judge_rubric: Optional[str] = None
-    reward_judge_model: Optional[str] = None
-    reward_judge_max_score: float = 10.0
+    reward_judge_model: Optional[str] = None  # see reward_judge_rubric
+    reward_judge_max_score: float = 10.0  # see reward_judge_rubric
 
     def __post_init__(self) -> None:
         for name in ("rollout_batch_size", "num_generations", "max_completion_length", "num_iterations", "ppo_epochs",
