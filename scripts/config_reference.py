@@ -97,7 +97,9 @@ def group_table(name: str, cls: type) -> list[str]:
     for f in dataclasses.fields(cls):
         if not f.init:
             continue
-        out.append(f"| `{f.name}` | `{_cell(f.type)}` | `{_cell(default_text(f))}` | {_cell(notes.get(f.name, ''))} |")
+        # "str | None" written "str or None": an escaped pipe inside a code span shows its backslash on the site.
+        kind = _cell(str(f.type).replace(" | ", " or "))
+        out.append(f"| `{f.name}` | `{kind}` | `{_cell(default_text(f))}` | {_cell(notes.get(f.name, ''))} |")
     return out + [""]
 
 

@@ -46,7 +46,7 @@ def test_rows_carry_type_default_and_both_comments():
                                      "Above the field, on two lines. and at its end |")
     assert by_key["`plain`"] == "| `plain` | `int` | `3` |  |"
     assert by_key["`listed`"].startswith("| `listed` | `list[str]` | `[x]` |")
-    assert by_key["`needed`"].startswith("| `needed` | `str \\| None` | `null` |")  # the pipe escaped for the table
+    assert by_key["`needed`"].startswith("| `needed` | `str or None` | `null` |")  # no pipe inside the table's cells
     assert by_key["`added`"].endswith("| a field of the subclass |")
 
 
