@@ -175,7 +175,7 @@ def test_preview_colours_the_registries_label_mask(webui, browser):
 
 
 def shot(browser, name):
-    """A screenshot of the page from its top, kept as a test artifact (linked from the README)."""
+    """A screenshot of the page from its top, kept as a test artifact (docs/webui.md shows copies of them)."""
     browser.execute_script("window.scrollTo(0, 0)")
     browser.save_screenshot(os.path.join(browser.artifacts, f"{name}.png"))
 
