@@ -22,6 +22,9 @@ DATA_DIR = os.path.join(REPO_ROOT, "data")
 UI_DATA_DIR = "data"  # the UI reads only inside its folder: the webui fixture puts a copy of DATA_DIR there
 UI_TIMEOUT_S = 60
 RUN_TIMEOUT_S = 420
+# The page run: stopped once checkpoint-10 and five loss points exist, which leaves 50 steps for the
+# Stop to land before the end.
+STEPS = 60
 
 
 def wait_for(condition, timeout=UI_TIMEOUT_S, what="the page"):
@@ -189,7 +192,7 @@ def test_run_from_the_page_trains_stops_resumes_then_chats_and_exports(webui, br
     url, share, cwd = webui
     open_board(browser, url)
     output_dir = "saves/page-run"
-    fill_tiny_sft(browser, output_dir, max_steps=100)
+    fill_tiny_sft(browser, output_dir, max_steps=STEPS)
     browser.find_element(By.ID, "run-start").click()
 
     # live: the loss chart gets points while the job runs; then Stop
@@ -197,7 +200,7 @@ def test_run_from_the_page_trains_stops_resumes_then_chats_and_exports(webui, br
     wait_for(lambda: int(chart.get_attribute("data-points")) >= 2 and run_status(browser) == "RUNNING",
              RUN_TIMEOUT_S, "two loss points while running")
     progress = browser.find_element(By.ID, "progress").text
-    assert progress.startswith("step ") and "/100" in progress, progress
+    assert progress.startswith("step ") and f"/{STEPS}" in progress, progress
     out = os.path.join(cwd, output_dir)
     wait_for(lambda: os.path.isdir(os.path.join(out, "checkpoint-10")), RUN_TIMEOUT_S, "the first checkpoint")
     wait_for(lambda: int(chart.get_attribute("data-points")) >= 5, RUN_TIMEOUT_S, "five loss points")
@@ -205,7 +208,7 @@ def test_run_from_the_page_trains_stops_resumes_then_chats_and_exports(webui, br
     browser.find_element(By.ID, "run-stop").click()
     wait_for(lambda: run_status(browser) == "STOPPED", RUN_TIMEOUT_S, "the job to stop")
     before = [json.loads(line) for line in open(os.path.join(out, "trainer_log.jsonl"))]
-    assert max(r["current_steps"] for r in before) < 100  # stopped before the end
+    assert max(r["current_steps"] for r in before) < STEPS  # stopped before the end
     assert os.path.isdir(os.path.join(out, "checkpoint-10"))  # the checkpoint stays
 
     # Resume: a new job continues from the latest checkpoint to the end
@@ -213,12 +216,12 @@ def test_run_from_the_page_trains_stops_resumes_then_chats_and_exports(webui, br
     wait_for(lambda: run_status(browser) == "SUCCEEDED", RUN_TIMEOUT_S, "the resumed job to finish")
     records = [json.loads(line) for line in open(os.path.join(out, "trainer_log.jsonl"))]
     steps = [r["current_steps"] for r in records if "loss" in r]
-    assert steps == list(range(2, 101, 2)), steps  # every step once, as one uninterrupted run
+    assert steps == list(range(2, STEPS + 1, 2)), steps  # every step once, as one uninterrupted run
     # resumed, not restarted: the steps up to the checkpoint are the first job's records, kept as
     # they were (a fresh start would have logged them again, with other times)
     kept = [r for r in before if r["current_steps"] <= 10]
     assert records[:len(kept)] == kept and len(kept) == 5
-    assert int(chart.get_attribute("data-points")) == 50
+    assert int(chart.get_attribute("data-points")) == STEPS // 2
     losses = [r["loss"] for r in records if "loss" in r]
     assert losses[-1] < losses[0]
     shot(browser, "train-finished")
