@@ -20,6 +20,7 @@ from cluster.driver import run_exp
 from registries.datasets import DataArguments
 from stages.run_args import ModelArguments
 from stages.training.callbacks import read_log
+from stages.training.per_example_attention import attending
 from stages.training.preference_collators import PairwiseCollator
 from stages.loading import load_tokenizer_and_template
 from stages.training.value_head import VALUE_HEAD_FILE, reward_accuracy, score
@@ -87,7 +88,9 @@ class ScoreAtTrainEnd(TrainerCallback):
             return
         was_training = model.training
         model.eval()
-        rewards = score(model, self.batch["input_ids"], self.batch["attention_mask"])
+        # The trained model attends padding-free rows (the rm default); this probe batch is padded.
+        with attending(model, "sdpa"):
+            rewards = score(model, self.batch["input_ids"], self.batch["attention_mask"])
         model.train(was_training)
         with open(self.path, "w", encoding="utf-8") as f:
             json.dump(rewards.tolist(), f)
