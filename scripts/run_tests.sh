@@ -13,18 +13,17 @@ mkdir -p .ci
 if [ "$#" -gt 0 ]; then  # a chosen selection: one pytest run, as given
     exec .venv/bin/python -m pytest -q --junitxml=.ci/last-junit.xml "$@"
 fi
-# The default suite in two parts, on pytest-xdist workers with their share of the cores for torch
-# (tests/conftest.py). First the tests that start no Ray, on two workers (they are CPU-bound); the
-# shared caches they fill are locked (tests/locks.py). Then the Ray tests on three workers, a test
-# file per worker at a time (--dist loadfile: a module's fixtures, a trained model or a serve app, are
-# built once): each worker has its own local Ray, whose processes descend from it, and every port is
-# chosen free. A Ray test is CPU-bound for about two thirds of its time (starting processes, waiting
-# on them): two at once took 220 s where one at a time took 317 s (tests/e2e/test_grpo.py and
-# test_user_errors.py), and a third worker fills more of the waits (RAY3). --no-loadscope-reorder: files
-# are handed out in collection order, longest first (tests/conftest.py), not xdist's most-tests-first,
+# The default suite in two parts, each on two pytest-xdist workers with their share of the cores for
+# torch (tests/conftest.py). First the tests that start no Ray; the shared caches they fill are locked
+# (tests/locks.py). Then the Ray tests, a test file per worker at a time (--dist loadfile: a module's
+# fixtures, a trained model or a serve app, are built once): each worker has its own local Ray,
+# whose processes descend from it, and every port is chosen free. A Ray test is CPU-bound for about
+# two thirds of its time (starting processes, waiting on them); two at once took 220 s where one at a
+# time took 317 s (tests/e2e/test_grpo.py and test_user_errors.py). --no-loadscope-reorder: files are
+# handed out in collection order, longest first (tests/conftest.py), not xdist's most-tests-first,
 # which left the long one-test files for last.
 status=0
 .venv/bin/python -m pytest -q -n 2 -m "not slow and not ray" --junitxml=.ci/last-junit-no-ray.xml || status=$?
-.venv/bin/python -m pytest -q -n 3 --dist loadfile --no-loadscope-reorder -m "not slow and ray" --junitxml=.ci/last-junit-ray.xml || status=$?
+.venv/bin/python -m pytest -q -n 2 --dist loadfile --no-loadscope-reorder -m "not slow and ray" --junitxml=.ci/last-junit-ray.xml || status=$?
 .venv/bin/python scripts/slowest_tests.py .ci/last-junit-no-ray.xml .ci/last-junit-ray.xml --top 30 || true
 exit "$status"

@@ -28,8 +28,8 @@ def pytest_configure(config):
 
 # The Ray test files that take longest (CI's JUnit, over ~80 s each), in that order. With
 # --no-loadscope-reorder (scripts/run_tests.sh) pytest-xdist's --dist loadfile hands files to its
-# workers in collection order, so a long file collected last keeps one worker busy while the
-# others have nothing left (xdist's own order, most tests first, put every long one-test file last).
+# two workers in collection order, so a long file collected last keeps one worker busy while the
+# other has nothing left (xdist's own order, most tests first, put every long one-test file last).
 # Starting the longest first leaves only short files for the end. A hint only: a file missing from
 # it, or a stale order, costs time, never a result. test_rl_placement.py comes first because it
 # replaces the worker's session Ray with a cluster of its own and back: run first, it precedes
