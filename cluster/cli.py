@@ -109,6 +109,14 @@ def build_parser() -> argparse.ArgumentParser:
                         help="override config keys, e.g. export_size=2")
     export.set_defaults(handler=_lazy("cluster.export_cli", "run_export"))
 
+    evaluate = _command(
+        commands, "eval", "score a model on lm-evaluation-harness tasks (mmlu, ... or RayFactory's own)",
+        example=f"rayfactory eval configs/eval.yaml {QUICKSTART_ADAPTER}")
+    evaluate.add_argument("config", help="YAML with the model keys (as for chat) and task, n_shot, batch_size, save_dir")
+    evaluate.add_argument("overrides", nargs="*", default=[], metavar="key=value",
+                          help="override config keys, e.g. task=rf_arith_gen n_shot=0")
+    evaluate.set_defaults(handler=_lazy("cluster.eval_cli", "run_eval"))
+
     for name in ("serve", "api"):
         serve = _command(
             commands, name, "serve the model on an OpenAI-compatible HTTP endpoint (Ray Serve)" if name == "serve"

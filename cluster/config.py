@@ -34,6 +34,7 @@ from stages.run_args import (
     trainer_fields,
 )
 from stages.job import JobSpec
+from stages.inference.eval_args import EvaluationArguments
 from stages.inference.inference_args import ExportArguments, InferenceArguments
 from stages.inference.loading import InferenceSpec
 from stages.rl.config.rl_args import RLArguments
@@ -56,6 +57,7 @@ GROUPS: dict[str, type] = {
     "inference": InferenceArguments,
     "export": ExportArguments,
     "serve": ServeArguments,
+    "evaluation": EvaluationArguments,
 }
 # What a config is read for: a training run needs output_dir and trainer checks; chat, serve and
 # export read the same keys (a training YAML works) but need no output_dir.
@@ -74,6 +76,7 @@ class RunConfig:
     inference: InferenceArguments = field(default_factory=InferenceArguments)
     export: ExportArguments = field(default_factory=ExportArguments)
     serve: ServeArguments = field(default_factory=ServeArguments)
+    evaluation: EvaluationArguments = field(default_factory=EvaluationArguments)
     raw: dict[str, Any] = field(default_factory=dict)  # the keys as the user wrote them, overrides applied
     source: str = "the config dict"
     notes: list[str] = field(default_factory=list)  # LLaMA-Factory keys that were ignored or translated
@@ -102,7 +105,7 @@ class RunConfig:
         out.update(dataclasses.asdict(self.generating))
         out.update(dataclasses.asdict(self.ray))
         out.update(dataclasses.asdict(self.rl))
-        for group in (self.inference, self.export, self.serve):
+        for group in (self.inference, self.export, self.serve, self.evaluation):
             out.update(dataclasses.asdict(group))
         out.pop("api_key")  # a secret: never written into the saved config
         return unpin_run_defaults(out)
@@ -153,7 +156,7 @@ def load_config(path_or_dict: str | os.PathLike | dict | None = None, overrides:
     if rl_stage is not None and rl_stage.rl_defaults is not None:
         stage_defaults = rl_stage.load_rl_defaults()(given, built["training"], built["ray"], built["generating"])
         _defaults(grouped["rl"], stage_defaults, given)
-    for group in ("rl", "inference", "export", "serve"):
+    for group in ("rl", "inference", "export", "serve", "evaluation"):
         built[group] = _build(group, grouped[group], origin, source)
     run = RunConfig(**built, raw=raw, source=source, notes=notes)
     run_rules(run, lambda key: origin.get(key, source), purpose)  # cluster/config_rules.py, in order

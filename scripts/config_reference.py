@@ -43,6 +43,7 @@ GROUP_TITLES = {
     "inference": "The inference engine of chat, predict and serve",
     "export": "rayfactory export: merging an adapter, quantizing, GGUF",
     "serve": "rayfactory serve: the Ray Serve app, its guards and limits",
+    "evaluation": "rayfactory eval: lm-evaluation-harness tasks, shots and where results go",
 }
 
 

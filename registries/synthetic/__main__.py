@@ -7,20 +7,21 @@ import json
 import os
 import sys
 
-from .generate import SEED, build, write
+from .generate import SEED, build, build_eval_tasks, write
 
 
 def _stale(out_dir: str, seed: int) -> list[str]:
     """Files (and dataset_info.json entries) that differ from what the generator would write."""
     stale = []
     files = build(seed)
-    for f in files:
-        path = os.path.join(out_dir, f.file_name)
+    texts = {f.file_name: f.text for f in files} | build_eval_tasks(seed)
+    for name, text in texts.items():
+        path = os.path.join(out_dir, name)
         if not os.path.isfile(path):
             stale.append(f"{path} (missing)")
             continue
         with open(path, encoding="utf-8", newline="") as fh:
-            if fh.read() != f.text:
+            if fh.read() != text:
                 stale.append(path)
     info_path = os.path.join(out_dir, "dataset_info.json")
     info = json.load(open(info_path, encoding="utf-8")) if os.path.isfile(info_path) else {}

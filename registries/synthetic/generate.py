@@ -20,12 +20,14 @@ from dataclasses import dataclass
 from typing import Any
 
 from .calculator import calculator_datasets
+from .eval_tasks import eval_task_files
 from .identity import IDENTITY_PAIRS, filled
 from .lf_demos import lf_demo_datasets
 from .tasks import ADDITION, COPYING, REVERSAL, TOOL_ADD, TOOL_REVERSE, SyntheticTask
 from .words import WORDS
 
 SEED = 20250601
+EVAL_TASKS_DIR = os.path.join("eval_tasks", "rayfactory")  # our lm-evaluation-harness tasks' data, under data/
 EVAL_FRACTION = 0.2
 SYSTEM_PROMPT = "You are a careful assistant. Reply with the answer only."
 TOOLS = [
@@ -144,6 +146,12 @@ def build(seed: int = SEED) -> list[DemoFile]:
     return files
 
 
+def build_eval_tasks(seed: int = SEED) -> dict[str, str]:
+    """Path under the data folder -> text, for the harness tasks' data (registries/synthetic/eval_tasks.py)."""
+    train, held_out = split_prompts(ADDITION, "addition", seed)
+    return {os.path.join(EVAL_TASKS_DIR, name): text for name, text in eval_task_files(train, held_out, seed).items()}
+
+
 def _tool_rows_of(train: dict[str, list[str]]):
     return lambda n, rng: _tool_rows(train, n, rng)
 
@@ -155,6 +163,11 @@ def write(out_dir: str, seed: int = SEED) -> list[str]:
     for f in files:
         with open(os.path.join(out_dir, f.file_name), "w", encoding="utf-8", newline="") as fh:
             fh.write(f.text)
+    eval_tasks = build_eval_tasks(seed)
+    for name, text in eval_tasks.items():
+        os.makedirs(os.path.dirname(os.path.join(out_dir, name)), exist_ok=True)
+        with open(os.path.join(out_dir, name), "w", encoding="utf-8", newline="") as fh:
+            fh.write(text)
     info_path = os.path.join(out_dir, "dataset_info.json")
     info: dict[str, Any] = {}
     if os.path.isfile(info_path):
@@ -164,7 +177,7 @@ def write(out_dir: str, seed: int = SEED) -> list[str]:
         info[f.name] = f.entry
     with open(info_path, "w", encoding="utf-8", newline="") as fh:
         fh.write(_json(info))
-    return [f.file_name for f in files] + ["dataset_info.json"]
+    return [f.file_name for f in files] + list(eval_tasks) + ["dataset_info.json"]
 
 
 # ---------------------------------------------------------------------- row builders

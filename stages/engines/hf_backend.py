@@ -102,6 +102,40 @@ class HFEngine:
             completions.append(Completion(tokens[:end], finish, logprobs, top, 0, prompt_index))
         return completions
 
+    # --- scoring: log-probs of given tokens ------------------------------------------------
+
+    async def score(self, sequences: list[tuple[int, ...]], batch_size: int = 8,
+                    adapter: str | None = None) -> list[list[tuple[float, bool]]]:
+        """For each sequence, every token after the first: (its log-prob given the tokens before
+        it, whether it is the most likely token there). What evaluations of choices read."""
+        return await asyncio.to_thread(self._score, sequences, batch_size, adapter)
+
+    @torch.no_grad()
+    def _score(self, sequences, batch_size: int, adapter: str | None) -> list[list[tuple[float, bool]]]:
+        order = sorted(range(len(sequences)), key=lambda i: -len(sequences[i]))  # alike lengths share a batch
+        scored: dict[int, list[tuple[float, bool]]] = {}
+        bare = self.select_adapter(adapter)
+        try:
+            with _evaluating(self.model):
+                for start in range(0, len(order), batch_size):
+                    chunk = order[start : start + batch_size]
+                    width = max(len(sequences[i]) for i in chunk)
+                    # Right padding: a causal model's real positions never see the pads after them.
+                    ids = torch.tensor([list(sequences[i]) + [self.pad_token_id] * (width - len(sequences[i])) for i in chunk])
+                    mask = torch.tensor([[1] * len(sequences[i]) + [0] * (width - len(sequences[i])) for i in chunk])
+                    logits = self.model(input_ids=ids.to(self.model.device), attention_mask=mask.to(self.model.device)).logits
+                    logprobs = logits[:, :-1].float().log_softmax(-1)
+                    targets = ids[:, 1:].to(logprobs.device)
+                    chosen = logprobs.gather(-1, targets[..., None]).squeeze(-1)
+                    greedy = logprobs.argmax(-1) == targets
+                    for row, i in enumerate(chunk):
+                        n = len(sequences[i]) - 1
+                        scored[i] = list(zip(chosen[row, :n].tolist(), greedy[row, :n].tolist()))
+        finally:
+            if bare:
+                self.rest_adapters()
+        return [scored[i] for i in range(len(sequences))]
+
     # --- requests: streamed, taking turns on the model ----------------------------------------
 
     async def generate(self, request: GenerationRequest) -> list[Completion]:

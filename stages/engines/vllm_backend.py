@@ -19,6 +19,8 @@ unmodified logits, as the transformers engine reports them and the RL math expec
 
 from __future__ import annotations
 
+import asyncio
+
 import importlib.util
 import os
 import time
@@ -218,6 +220,29 @@ class VLLMEngine(AdapterReceiver, InFlightReceiver):
             # A consumer that stops early (stop string, client gone): vLLM's generator aborts the
             # request when it is closed.
             await outputs.aclose()
+
+    async def score(self, sequences: list[tuple[int, ...]], batch_size: int = 8,
+                    adapter: str | None = None) -> list[list[tuple[float, bool]]]:
+        """HFEngine.score on vLLM: each sequence's prompt log-probs (vLLM batches the requests
+        itself, so ``batch_size`` is not needed); a token is greedy when it ranks first."""
+        from vllm import SamplingParams
+        from vllm.inputs import TokensPrompt
+
+        self._require("score", offline=False)
+        params = SamplingParams(max_tokens=1, prompt_logprobs=0, detokenize=False, temperature=0.0)
+        lora = self._lora(adapter)
+
+        async def one(ids: tuple[int, ...]) -> list[tuple[float, bool]]:
+            final = None
+            async for output in self.llm.generate(TokensPrompt(prompt_token_ids=list(ids)), params,
+                                                  request_id=uuid.uuid4().hex, lora_request=lora):
+                final = output
+            # prompt_logprobs[0] is None (nothing precedes the first token); each later entry holds
+            # the prompt's own token with its rank among the vocabulary.
+            return [(entry[token].logprob, entry[token].rank == 1)
+                    for token, entry in zip(ids[1:], final.prompt_logprobs[1:])]
+
+        return list(await asyncio.gather(*(one(ids) for ids in sequences)))
 
     async def pause(self, mode: str = "wait") -> None:
         """Stop scheduling requests (to swap weights under a running server): "wait" lets the

@@ -227,6 +227,19 @@ class ChatModel:
 
         return self._run(all_of_them())
 
+    def complete_all(self, requests: list[GenerationRequest]) -> list[str]:
+        """The first reply's text (stop strings applied) for each of many prepared requests (evaluations)."""
+
+        async def all_of_them():
+            return await asyncio.gather(*(self.generate_request(request) for request in requests))
+
+        return [replies[0].response_text for replies in self._run(all_of_them())]
+
+    def score(self, sequences: list[tuple[int, ...]], batch_size: int = 8) -> dict[tuple[int, ...], list]:
+        """Engine.score of each sequence, keyed by the sequence: (log-prob, greedy) of its tokens after the first."""
+        scored = self._run(self.engine.score(sequences, batch_size))
+        return dict(zip(sequences, scored))
+
     def stream_chat(self, messages, system=None, tools=None, **options) -> Iterator[str]:
         """Text pieces as they come. Interruptible: when the caller stops reading (Ctrl-C, a break,
         an error), the reply is cancelled and this waits until the engine has let go of it, so the

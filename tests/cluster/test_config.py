@@ -15,6 +15,7 @@ from cluster.serve.serve_args import ServeArguments
 from fabric.ray_args import RayArguments
 from registries.datasets.data_args import DataArguments
 from stages.run_args import FinetuningArguments, GeneratingArguments, ModelArguments, trainer_fields
+from stages.inference.eval_args import EvaluationArguments
 from stages.inference.inference_args import ExportArguments, InferenceArguments
 from stages.rl.config.rl_args import RLArguments
 from tests.cluster.conftest import BASE, error_of, write
@@ -128,7 +129,8 @@ def test_every_key_belongs_to_exactly_one_group():
     owners = key_owners()  # raises if two groups claim a name
     groups = {"model": ModelArguments, "data": DataArguments, "finetuning": FinetuningArguments,
               "generating": GeneratingArguments, "ray": RayArguments, "rl": RLArguments,
-              "inference": InferenceArguments, "export": ExportArguments, "serve": ServeArguments}
+              "inference": InferenceArguments, "export": ExportArguments, "serve": ServeArguments,
+              "evaluation": EvaluationArguments}
     for group, cls in groups.items():
         assert all(owners[name] == group for name in cls.__dataclass_fields__)
     assert set(owners) == {n for c in groups.values() for n in c.__dataclass_fields__} | set(trainer_fields())

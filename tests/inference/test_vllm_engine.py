@@ -193,3 +193,19 @@ def test_images_are_refused_with_the_fix(chats):
     with pytest.raises(ChatInputError, match="infer_backend: huggingface"):
         vllm_chat.chat([{"role": "user", "content": "<image>What colour is the shape?"}], images=[str(picture)])
     assert vllm_chat.chat(PROMPTS[0])[0].token_ids  # the engine goes on answering
+
+
+def test_eval_tasks_score_alike_on_vllm_and_transformers(chats):
+    """rayfactory eval with infer_backend: vllm: vLLM's prompt log-probs give the multiple-choice task the
+    transformers engine's log-likelihoods, and greedy generation the same replies."""
+    from stages.inference.eval_args import EvaluationArguments
+    from stages.inference.evaluation import evaluate
+
+    vllm_chat, hf_chat, _, _ = chats
+    args = EvaluationArguments(task="rf_arith_mc,rf_arith_gen", n_shot=1, eval_limit=6)
+    ours, theirs = (evaluate(chat.spec, args, chat=chat) for chat in (vllm_chat, hf_chat))
+    for doc, (mine, other) in enumerate(zip(ours["samples"]["rf_arith_mc"], theirs["samples"]["rf_arith_mc"])):
+        for (ll_vllm, greedy_vllm), (ll_hf, greedy_hf) in zip([r[0] for r in mine["resps"]], [r[0] for r in other["resps"]]):
+            assert abs(ll_vllm - ll_hf) < 5e-3, (doc, ll_vllm, ll_hf)  # per token 1e-3 at most (above)
+            assert greedy_vllm == greedy_hf
+    assert [r["resps"] for r in ours["samples"]["rf_arith_gen"]] == [r["resps"] for r in theirs["samples"]["rf_arith_gen"]]
