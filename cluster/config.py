@@ -84,7 +84,7 @@ class RunConfig:
     def job_spec(self) -> JobSpec:
         """The typed slices every process of the run receives (the same objects, not copies)."""
         return JobSpec(model=self.model, data=self.data, finetuning=self.finetuning, training=self.training,
-                       rl=self.rl, generating=self.generating)
+                       rl=self.rl, generating=self.generating, evaluation=self.evaluation)
 
     def with_template(self, name: str) -> "RunConfig":
         """A copy with template ``name``: ``auto`` is a fact of the tokenizer, which the driver loads

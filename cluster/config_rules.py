@@ -178,6 +178,31 @@ def _deepspeed_file(run, where: Where, purpose: str) -> None:
     read_deepspeed_config(run.training.values, run.model, run.finetuning, where)
 
 
+@register_rule("eval_tasks", ("eval_tasks", "eval_strategy", "deepspeed"))
+def _eval_tasks(run, where: Where, purpose: str) -> None:
+    if not run.evaluation.eval_tasks:
+        return
+    stage = run.finetuning.spec
+    if stage.scores or stage.launch != "train_workers":
+        raise ConfigError(
+            f"eval_tasks in {where('eval_tasks')} scores a generating model during training: stages pt, sft, dpo "
+            f"and kto. Stage {stage.name} trains {'a reward model' if stage.scores else 'in its own RL loop'}; remove "
+            "eval_tasks and score a saved checkpoint with rayfactory eval instead."
+        )
+    if run.training.values.get("eval_strategy", "no") == "no":
+        raise ConfigError(
+            f"eval_tasks in {where('eval_tasks')} runs at each evaluation, but eval_strategy is no. Set eval_strategy: "
+            "steps with eval_steps (and an eval_dataset or val_size), or remove eval_tasks."
+        )
+    ds = run.training.values.get("deepspeed")
+    if isinstance(ds, dict) and ds.get("zero_optimization", {}).get("stage") == 3:
+        raise ConfigError(
+            f"eval_tasks in {where('eval_tasks')} scores the model on one worker, but the DeepSpeed ZeRO-3 config from "
+            f"{where('deepspeed')} splits its weights over all of them. Use a ZeRO-2 config, or remove eval_tasks and "
+            "score the saved checkpoints with rayfactory eval."
+        )
+
+
 @register_rule("train_in_driver", ("train_in_driver",))
 def _train_in_driver(run, where: Where, purpose: str) -> None:
     if not run.ray.train_in_driver:
@@ -211,7 +236,7 @@ def _trackers(run, where: Where, purpose: str) -> None:
 def _training_packages(run, where: Where, purpose: str) -> None:
     vllm = run.finetuning.spec.launch == "rl_controller" and run.rl.rollout_backend == "vllm"
     check_extras({"deepspeed": run.training.values.get("deepspeed"), "quantization_bit": run.model.quantization_bit,
-                  "rollout_backend": vllm}, where)
+                  "rollout_backend": vllm, "eval_tasks": run.evaluation.eval_tasks}, where)
 
 
 @register_rule("trainer_options", ("per_device_train_batch_size",))

@@ -49,7 +49,10 @@ def run_eval(args: argparse.Namespace) -> int:
 
 def check_eval_request(cfg: RunConfig) -> None:
     """What ``rayfactory eval`` refuses before anything loads."""
+    from .extras import check_extras
+
     ev = cfg.evaluation
+    check_extras({"task": ev.task or True}, lambda key: cfg.source)
     if ev.lang == "zh" and "mmlu" in ev.task_names():
         raise ConfigError(
             f"lang: zh asks for Chinese prompts, but the harness's mmlu asks in English (in {cfg.source}). For "

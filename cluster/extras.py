@@ -19,6 +19,8 @@ EXTRAS = {
     "quantization_bit": ("bitsandbytes", "qlora", "or remove quantization_bit"),
     # True only for RL stages whose rollouts run on vLLM engines.
     "rollout_backend": ("vllm", "vllm", "or set rollout_backend: hf (transformers generate in the policy workers)"),
+    "eval_tasks": ("lm_eval", "eval", "or remove eval_tasks"),
+    "task": ("lm_eval", "eval", "then run rayfactory eval again"),
 }
 
 

@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Callable, Optional
 
 from registries.datasets.data_args import DataArguments
 
+from stages.inference.eval_args import EvaluationArguments
 from stages.run_args import FinetuningArguments, GeneratingArguments, ModelArguments, TrainingOptions
 from stages.rl.config.rl_args import RLArguments
 from .table import StageSpec
@@ -41,6 +42,7 @@ class JobSpec:
     training: TrainingOptions
     rl: RLArguments = field(default_factory=RLArguments)
     generating: GeneratingArguments = field(default_factory=GeneratingArguments)
+    evaluation: EvaluationArguments = field(default_factory=EvaluationArguments)  # eval_tasks and their settings
 
     @property
     def stage(self) -> StageSpec:
@@ -147,6 +149,11 @@ class StageJob:
             # Where every trainable weight is in each step's loss, the search finds nothing.
             self.training_args.ddp_find_unused_parameters = False
         collator = self.collator(tokenizer, model)
+        harness = None
+        if self.spec.evaluation.eval_tasks:
+            from stages.training.harness_eval import HarnessEvalCallback
+
+            harness = HarnessEvalCallback(self.spec)
         if getattr(collator, "needs_no_cache", False):
             # A KV cache (use_cache: true) makes transformers skip the per-example masks that
             # padding-free rows rely on; training never reads the cache anyway.
@@ -164,9 +171,12 @@ class StageJob:
             processing_class=tokenizer,
             # CommitCheckpoints before the fabric's callbacks: Ray's report copies a committed folder.
             callbacks=[JsonlLogCallback(self.training_args.output_dir),
-                       CommitCheckpoints(self.spec.training.save_total_limit), *self.callbacks],
+                       CommitCheckpoints(self.spec.training.save_total_limit), *self.callbacks,
+                       *([harness] if harness else [])],
             **extra,
         )
+        if harness:
+            harness.trainer = trainer  # its scores go through trainer.log, to every logger and tracker
         return self.prepare_trainer(trainer) if self.prepare_trainer is not None else trainer
 
     def train_and_save(self, trainer, tokenizer, template) -> dict:

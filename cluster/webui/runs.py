@@ -45,7 +45,16 @@ CHARTS = (
     ("loss", "loss", ("loss", "eval_loss", "value_loss")),
     ("metric", "accuracy and reward", ("rewards/accuracies", "eval_rewards/accuracies", "reward", "eval_reward")),
     ("turns", "per trajectory", ("rollout/turns", "rollout/tool_calls")),
+    ("tasks", "eval_tasks (lm-evaluation-harness)", ()),  # its keys are read off the log: task_keys
 )
+TASK_PREFIX = "eval_tasks/"  # stages/training/harness_eval.py's keys
+UNBOUNDED = ("perplexity", "bits_per_byte")  # not on the 0..1 scale of the task chart's other scores
+
+
+def task_keys(records: list[dict[str, Any]]) -> tuple[str, ...]:
+    """The eval_tasks scores the log holds (accuracies and the like; perplexities would flatten them)."""
+    keys = dict.fromkeys(key for r in records for key in r if key.startswith(TASK_PREFIX))
+    return tuple(key for key in keys if not key.endswith(UNBOUNDED))
 
 
 def read_records(output_dir: str) -> list[dict[str, Any]]:
@@ -80,6 +89,7 @@ def charts(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
     keys that some record holds as a finite number (with its step, ``current_steps``)."""
     out = []
     for chart_id, title, keys in CHARTS:
+        keys = keys or task_keys(records)
         series = []
         for key in keys:
             points = [[step, value] for r in records

@@ -8,6 +8,7 @@ has none (``apply_chat_template``, ``eval_limit``). LLaMA-Factory's three benchm
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Optional
 
@@ -36,6 +37,9 @@ class EvaluationArguments:
     # off scores the plain text, as base-model benchmarks are reported
     apply_chat_template: bool = False
     eval_limit: Optional[float] = None  # the first N questions of each task (a fraction below 1: that share)
+    # harness tasks scored at every evaluation of a pt / sft / dpo / kto run (eval_strategy, eval_steps),
+    # logged as eval_tasks/<task>/<metric> beside eval_loss; the keys above (n_shot, eval_limit, ...) apply
+    eval_tasks: Optional[str] = None
 
     def __post_init__(self) -> None:
         if self.n_shot is not None and self.n_shot < 0:
@@ -49,5 +53,13 @@ class EvaluationArguments:
 
     def task_names(self) -> list[str]:
         """The harness names of the configured tasks, LLaMA-Factory's names translated."""
-        names = [name.strip() for name in (self.task or "").split(",") if name.strip()]
-        return [LF_TASKS.get(name, name) for name in names]
+        return _names(self.task)
+
+    def during_training(self) -> "EvaluationArguments":
+        """These arguments with ``eval_tasks`` as the tasks to run."""
+        return dataclasses.replace(self, task=self.eval_tasks)
+
+
+def _names(text: Optional[str]) -> list[str]:
+    names = [name.strip() for name in (text or "").split(",") if name.strip()]
+    return [LF_TASKS.get(name, name) for name in names]

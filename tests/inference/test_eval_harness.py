@@ -63,9 +63,10 @@ def merged_adapter(adapter_outputs, tmp_path_factory):
 
 
 def test_an_adapter_scores_unmerged_as_the_harness_scores_the_merged_model(adapter_outputs, merged_adapter):
-    """Multiple choice (log-likelihoods, 2-shot) and exact-match generation (greedy replies): the same
-    numbers per question, so the same accuracy. Unmerged on our side: the adapter is applied by PEFT."""
-    tasks = ["rf_arith_mc", "rf_arith_gen"]
+    """Multiple choice (log-likelihoods, 2-shot), exact-match generation (greedy replies) and perplexity
+    (rolling log-likelihoods): the same numbers per question, so the same scores. Unmerged on our side:
+    the adapter is applied by PEFT."""
+    tasks = ["rf_arith_mc", "rf_arith_gen", "rf_arith_text"]
     theirs = _theirs(merged_adapter, tasks, n_shot=2)
     ours = _ours({"model_name_or_path": BASE, "adapter_name_or_path": adapter_outputs["math"], "template": TEMPLATE},
                  task=",".join(tasks), n_shot=2, batch_size=3)
@@ -84,6 +85,13 @@ def test_an_adapter_scores_unmerged_as_the_harness_scores_the_merged_model(adapt
     assert replies_ours == replies_theirs
     assert any(text.strip() for reply in replies_ours.values() for text in reply[0]), "every reply was empty"
     assert ours["results"]["rf_arith_gen"]["exact_match,none"] == theirs["results"]["rf_arith_gen"]["exact_match,none"]
+
+    texts_ours, texts_theirs = _by_doc(ours, "rf_arith_text"), _by_doc(theirs, "rf_arith_text")
+    assert sorted(texts_ours) == sorted(texts_theirs) == list(range(LIMIT))
+    for doc, responses in texts_theirs.items():
+        assert math.isclose(texts_ours[doc][0][0], responses[0][0], abs_tol=TOL), (doc, texts_ours[doc], responses)
+    assert math.isclose(ours["results"]["rf_arith_text"]["word_perplexity,none"],
+                        theirs["results"]["rf_arith_text"]["word_perplexity,none"], rel_tol=1e-5)
 
 
 def test_the_adapter_is_not_ignored(adapter_outputs):
@@ -176,3 +184,25 @@ def test_a_task_dir_of_the_users_own_is_found(tmp_path):
         "HERE = os.path.dirname(os.path.abspath(__file__))", f"HERE = {SHIPPED_TASKS + '/rayfactory'!r}"))
     results = _ours({"model_name_or_path": BASE, "template": TEMPLATE}, task="my_arith", task_dir=str(folder), n_shot=0)
     assert len(results["samples"]["my_arith"]) == LIMIT
+
+
+@pytest.mark.parametrize("keys, words", [
+    ({"stage": "rm", "dataset": "arith_pref"}, ["Stage rm trains a reward model", "rayfactory eval"]),
+    ({"eval_strategy": "no"}, ["eval_strategy is no"]),
+    ({"deepspeed": "configs/deepspeed/ds_z3_config.json"}, ["ZeRO-3", "ZeRO-2"]),
+])
+def test_eval_tasks_during_training_refuses_what_it_cannot_score(tmp_path, keys, words):
+    """eval_tasks needs a generating model on one worker, and evaluations to run at."""
+    from cluster.config import ConfigError, load_config
+    from tests.e2e.conftest import REPO_ROOT, tiny_sft_config
+
+    config = tiny_sft_config(tmp_path / "out", **{"eval_dataset": "arith_eval", "eval_strategy": "steps", "eval_steps": 2,
+                                                  "eval_tasks": "rf_arith_mc", **keys})
+    if "deepspeed" in keys:
+        config["deepspeed"] = f"{REPO_ROOT}/{keys['deepspeed']}"
+    with pytest.raises(ConfigError) as caught:
+        load_config(config)
+    assert caught.value.key == "eval_tasks"
+    for word in words:
+        assert word in str(caught.value)
+    assert load_config({**config, "eval_tasks": None, "deepspeed": None}).evaluation.eval_tasks is None

@@ -298,6 +298,18 @@ def test_run_status_serves_reward_and_turns_series_for_an_rl_log(client, tmp_pat
     assert status["step"] == 0 and all(not chart["series"] for chart in status["charts"])
 
 
+def test_the_tasks_chart_draws_eval_tasks_scores_but_not_perplexities():
+    from cluster.webui.runs import charts
+
+    records = [{"current_steps": 2, "eval_loss": 3.0, "eval_tasks/rf_arith_mc/acc": 0.25,
+                "eval_tasks/rf_arith_text/word_perplexity": 900.0, "eval_runtime": 1.5},
+               {"current_steps": 4, "eval_tasks/rf_arith_mc/acc": 0.5, "eval_tasks/rf_arith_gen/exact_match": 0.0}]
+    tasks = {c["id"]: c["series"] for c in charts(records)}["tasks"]
+    assert tasks == [{"key": "eval_tasks/rf_arith_mc/acc", "points": [[2, 0.25], [4, 0.5]]},
+                     {"key": "eval_tasks/rf_arith_gen/exact_match", "points": [[4, 0.0]]}]
+    assert {c["id"]: c["series"] for c in charts(records[:0])}["tasks"] == []
+
+
 def test_charts_skip_values_that_are_not_finite_numbers():
     from cluster.webui.runs import charts
 

@@ -346,7 +346,7 @@ async function stopRun() {
 }
 
 // The server picks the series (GET /api/runs/<id> "charts": loss; accuracies and rewards; turns and
-// tool calls per trajectory); each chart is the <svg id="<id>-chart"> of the page.
+// tool calls per trajectory; eval_tasks scores); each chart is the <svg id="<id>-chart"> of the page.
 const COLORS = ["#1f5bd8", "#e2561d", "#1a9850", "#7b3294", "#c2a5cf", "#91cf60"];
 
 function drawCharts(charts, total) {

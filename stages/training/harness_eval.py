@@ -1,0 +1,71 @@
+"""Harness tasks while training (``eval_tasks``): each time the Trainer evaluates, rank 0 also scores
+the model being trained on lm-evaluation-harness tasks and logs ``eval_tasks/<task>/<metric>``
+(``eval/tasks/...`` in TensorBoard and the other trackers, which drop the underscore as for eval_loss).
+
+The model is scored in place (the same weights object, the adapter as it is now) through the
+transformers engine, so nothing is saved or copied; ``rayfactory eval`` on a saved checkpoint gives
+the same numbers. The other ranks go on to the next step and wait for rank 0 there.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from transformers import TrainerCallback
+
+from stages.job import JobSpec
+
+logger = logging.getLogger(__name__)
+LOG_PREFIX = "eval_tasks/"  # an eval_ key: trainer_log.jsonl keeps it, the trackers file it under eval/
+
+
+class HarnessEvalCallback(TrainerCallback):
+    def __init__(self, spec: JobSpec):
+        self.spec = spec
+        self.trainer = None  # set by StageJob.build_trainer once the Trainer exists
+        self._chat = None  # built at the first evaluation, on the model the Trainer holds
+
+    def on_evaluate(self, args, state, control, model=None, **kwargs):
+        if not state.is_world_process_zero or model is None:
+            return
+        metrics = self.score(model)
+        logger.info("eval_tasks at step %d: %s", state.global_step, metrics)
+        self.trainer.log(metrics)
+
+    def score(self, model) -> dict[str, float]:
+        from stages.inference.evaluation import evaluate
+
+        results = evaluate(self._inference_spec(), self.spec.evaluation.during_training(), chat=self._chat_model(model))
+        return flatten_results(results)
+
+    def _inference_spec(self):
+        from stages.inference.loading import InferenceSpec
+
+        return InferenceSpec(model=self.spec.model, data=self.spec.data, finetuning=self.spec.finetuning,
+                             generating=self.spec.generating)
+
+    def _chat_model(self, model):
+        if self._chat is None:
+            from stages.engines.hf_backend import HFEngine
+            from stages.inference.chat_model import ChatModel
+            from stages.inference.loading import load_tokenizer_and_template
+
+            spec = self._inference_spec()
+            tokenizer, _ = load_tokenizer_and_template(spec)
+            # No adapter names: a PeftModel scores with the adapter being trained, as it trains.
+            self._chat = ChatModel(spec, engine=HFEngine(model, tokenizer.pad_token_id))
+        return self._chat
+
+
+def flatten_results(results: dict) -> dict[str, float]:
+    """The harness's {task: {"acc,none": 0.5, "acc_stderr,none": ...}} as {"eval_tasks/task/acc": 0.5}
+    (a filter other than "none" stays in the name; standard errors are left out)."""
+    flat = {}
+    for task, metrics in results["results"].items():
+        for key, value in metrics.items():
+            metric, _, filter_name = key.partition(",")
+            if not filter_name or "stderr" in metric or not isinstance(value, (int, float)):
+                continue
+            suffix = metric if filter_name == "none" else f"{metric}_{filter_name}"
+            flat[f"{LOG_PREFIX}{task}/{suffix}"] = float(value)
+    return flat
