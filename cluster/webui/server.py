@@ -32,6 +32,9 @@ from .preview import SHOWN_ROWS
 from .runs import Runs
 
 STATIC_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "static")
+# scripts/config_reference.py writes it from the typed config; the page's "config reference" link
+CONFIG_REFERENCE = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
+                                "docs", "config-reference.md")
 SHARED_STATIC_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "webchat", "static")
 
 
@@ -87,6 +90,12 @@ def create_app(share_dir: str, token: str | None = None, job_address: str | None
         return FileResponse(os.path.join(STATIC_DIR, "index.html"))
 
     app.mount("/static", StaticFiles(directory=STATIC_DIR), name="static")
+
+    @app.get("/help/config-reference")
+    def config_reference():
+        """Every config key with its type, default and meaning: the generated docs page, as text
+        (one fixed file; nothing in the request names a path)."""
+        return FileResponse(CONFIG_REFERENCE, media_type="text/markdown; charset=utf-8")
 
     @app.get("/shared/events.js")
     def events_js():  # the event-stream reader webchat's page uses too: one copy

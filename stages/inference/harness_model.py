@@ -59,8 +59,13 @@ class HarnessModel(TemplateLM):
 
     @property
     def max_length(self) -> int:
-        """The longest sequence scored: the engine's window, less the token vLLM must be able to add."""
-        return self.chat.engine.max_model_len - 1
+        """The longest sequence scored. transformers: the model's positions, as the harness's hf model
+        reads them (rolling windows of long texts split alike); vLLM: its window, less the token a
+        scoring request must still be able to add."""
+        engine = self.chat.engine
+        if engine.name == "vllm":
+            return engine.max_model_len - 1
+        return getattr(engine.model.config, "max_position_embeddings", None) or engine.max_model_len
 
     @property
     def tokenizer_name(self) -> str:
@@ -149,7 +154,8 @@ class HarnessModel(TemplateLM):
             kwargs = normalize_gen_kwargs(dict(gen_kwargs), DEFAULT_MAX_GEN_TOKS)
             until = tuple(handle_stop_sequences(kwargs.pop("until", None), eos=eos_text))
             budget = int(kwargs.pop("max_gen_toks"))
-            prompt = self.tok_encode(context)[-(self.max_length - budget):]
+            window = min(self.max_length, self.chat.engine.max_model_len)  # what the engine generates in
+            prompt = self.tok_encode(context)[-(window - budget):]
             built.append(GenerationRequest(tuple(prompt), self._sampling(kwargs, budget, until)))
         replies = self.chat.complete_all(built)
         results = []

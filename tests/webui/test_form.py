@@ -158,3 +158,19 @@ def test_chat_and_export_mistakes_come_back_as_the_clis_paragraphs(tmp_path):
     assert chat.status_code == 400 and "saves/none" in chat.json()["error"], chat.text
     export = client.post("/api/export", json={"model_name_or_path": "tiny:qwen2", "export_dir": ""})
     assert export.status_code == 400 and "path is needed" in export.json()["error"], export.text
+
+
+def test_the_page_links_the_generated_config_reference(tmp_path):
+    """The header's "config reference" opens the page scripts/config_reference.py writes (every key,
+    eval_tasks included), served as a fixed file."""
+    from fastapi.testclient import TestClient
+
+    from cluster.webui.server import create_app
+
+    client = TestClient(create_app(str(tmp_path / "share"), cwd=REPO_ROOT), base_url="http://127.0.0.1:7860")
+    assert 'href="/help/config-reference"' in client.get("/").text
+    page = client.get("/help/config-reference")
+    assert page.status_code == 200 and page.headers["content-type"].startswith("text/markdown")
+    with open(os.path.join(REPO_ROOT, "docs", "config-reference.md"), encoding="utf-8") as f:
+        assert page.text == f.read()
+    assert "`eval_tasks`" in page.text and "`learning_rate`" in page.text
