@@ -24,18 +24,26 @@ class HarnessEvalCallback(TrainerCallback):
         self.spec = spec
         self.trainer = None  # set by StageJob.build_trainer once the Trainer exists
         self._chat = None  # built at the first evaluation, on the model the Trainer holds
+        self._scored_step = -1
 
     def on_evaluate(self, args, state, control, model=None, **kwargs):
-        if not state.is_world_process_zero or model is None:
+        # The final evaluation after the last step repeats that step's, when eval_steps divides it.
+        if not state.is_world_process_zero or model is None or state.global_step == self._scored_step:
             return
+        self._scored_step = state.global_step
         metrics = self.score(model)
         logger.info("eval_tasks at step %d: %s", state.global_step, metrics)
         self.trainer.log(metrics)
 
     def score(self, model) -> dict[str, float]:
         from stages.inference.evaluation import evaluate
+        from stages.training.per_example_attention import attending
 
-        results = evaluate(self._inference_spec(), self.spec.evaluation.during_training(), chat=self._chat_model(model))
+        # Training may attend padding-free rows one example at a time, which refuses the padded
+        # batches scoring and generation use: plain sdpa while the tasks run.
+        with attending(model, "sdpa"):
+            results = evaluate(self._inference_spec(), self.spec.evaluation.during_training(),
+                               chat=self._chat_model(model))
         return flatten_results(results)
 
     def _inference_spec(self):
