@@ -151,9 +151,12 @@ class StageJob:
         collator = self.collator(tokenizer, model)
         harness = None
         if self.spec.evaluation.eval_tasks:
-            from stages.training.harness_eval import HarnessEvalCallback
+            from stages.inference.harness_eval import HarnessEvalCallback
+            from stages.inference.loading import InferenceSpec
 
-            harness = HarnessEvalCallback(self.spec)
+            spec = self.spec
+            harness = HarnessEvalCallback(InferenceSpec(model=spec.model, data=spec.data, finetuning=spec.finetuning,
+                                                        generating=spec.generating), spec.evaluation)
         if getattr(collator, "needs_no_cache", False):
             # A KV cache (use_cache: true) makes transformers skip the per-example masks that
             # padding-free rows rely on; training never reads the cache anyway.

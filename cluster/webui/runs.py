@@ -47,7 +47,7 @@ CHARTS = (
     ("turns", "per trajectory", ("rollout/turns", "rollout/tool_calls")),
     ("tasks", "eval_tasks (lm-evaluation-harness)", ()),  # its keys are read off the log: task_keys
 )
-TASK_PREFIX = "eval_tasks/"  # stages/training/harness_eval.py's keys
+TASK_PREFIX = "eval_tasks/"  # stages/inference/harness_eval.py's keys
 UNBOUNDED = ("perplexity", "bits_per_byte")  # not on the 0..1 scale of the task chart's other scores
 
 

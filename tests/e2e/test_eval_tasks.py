@@ -19,7 +19,7 @@ LIMIT = 8
 def test_eval_tasks_log_a_curve_that_rayfactory_eval_reproduces_on_the_saved_model(ray_session, sft_config):
     from cluster.config import load_config
     from stages.inference.evaluation import evaluate
-    from stages.training.harness_eval import flatten_results
+    from stages.inference.harness_eval import flatten_results
 
     config = sft_config(max_steps=4, eval_dataset="arith_eval", eval_strategy="steps", eval_steps=2,
                         per_device_eval_batch_size=16, eval_tasks=TASKS, n_shot=0, eval_limit=LIMIT)

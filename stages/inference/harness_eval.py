@@ -13,15 +13,18 @@ import logging
 
 from transformers import TrainerCallback
 
-from stages.job import JobSpec
+from .eval_args import EvaluationArguments
+from .loading import InferenceSpec
 
 logger = logging.getLogger(__name__)
 LOG_PREFIX = "eval_tasks/"  # an eval_ key: trainer_log.jsonl keeps it, the trackers file it under eval/
 
 
 class HarnessEvalCallback(TrainerCallback):
-    def __init__(self, spec: JobSpec):
-        self.spec = spec
+    def __init__(self, spec: InferenceSpec, evaluation: EvaluationArguments):
+        """``spec``: the run's model, data, method and sampling slices (what chat would load);
+        ``evaluation``: its eval_tasks and their settings."""
+        self.spec, self.evaluation = spec, evaluation.during_training()
         self.trainer = None  # set by StageJob.build_trainer once the Trainer exists
         self._chat = None  # built at the first evaluation, on the model the Trainer holds
         self._scored_step = -1
@@ -36,32 +39,26 @@ class HarnessEvalCallback(TrainerCallback):
         self.trainer.log(metrics)
 
     def score(self, model) -> dict[str, float]:
-        from stages.inference.evaluation import evaluate
         from stages.training.per_example_attention import attending
+
+        from .evaluation import evaluate
 
         # Training may attend padding-free rows one example at a time, which refuses the padded
         # batches scoring and generation use: plain sdpa while the tasks run.
         with attending(model, "sdpa"):
-            results = evaluate(self._inference_spec(), self.spec.evaluation.during_training(),
-                               chat=self._chat_model(model))
+            results = evaluate(self.spec, self.evaluation, chat=self._chat_model(model))
         return flatten_results(results)
-
-    def _inference_spec(self):
-        from stages.inference.loading import InferenceSpec
-
-        return InferenceSpec(model=self.spec.model, data=self.spec.data, finetuning=self.spec.finetuning,
-                             generating=self.spec.generating)
 
     def _chat_model(self, model):
         if self._chat is None:
             from stages.engines.hf_backend import HFEngine
-            from stages.inference.chat_model import ChatModel
-            from stages.inference.loading import load_tokenizer_and_template
 
-            spec = self._inference_spec()
-            tokenizer, _ = load_tokenizer_and_template(spec)
+            from .chat_model import ChatModel
+            from .loading import load_tokenizer_and_template
+
+            tokenizer, _ = load_tokenizer_and_template(self.spec)
             # No adapter names: a PeftModel scores with the adapter being trained, as it trains.
-            self._chat = ChatModel(spec, engine=HFEngine(model, tokenizer.pad_token_id))
+            self._chat = ChatModel(self.spec, engine=HFEngine(model, tokenizer.pad_token_id))
         return self._chat
 
 
