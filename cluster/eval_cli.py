@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import os
 
 from .config import ConfigError, RunConfig, load_config
@@ -27,6 +28,9 @@ def run_eval(args: argparse.Namespace) -> int:
     import transformers
 
     transformers.utils.logging.disable_progress_bar()
+    # The harness tells every task with its own loader (ours: data/eval_tasks) how to pass it
+    # arguments; nobody asked, and it reads like a problem.
+    logging.getLogger("lm_eval.api.task").addFilter(lambda record: "Custom kwargs" not in record.getMessage())
     from lm_eval.utils import make_table
 
     from stages.inference.evaluation import check_tasks, evaluate, task_manager
