@@ -189,6 +189,12 @@ def _eval_tasks(run, where: Where, purpose: str) -> None:
             f"and kto. Stage {stage.name} trains {'a reward model' if stage.scores else 'in its own RL loop'}; remove "
             "eval_tasks and score a saved checkpoint with rayfactory eval instead."
         )
+    if run.evaluation.eval_num_workers > 1:
+        raise ConfigError(
+            f"eval_num_workers in {where('eval_num_workers')} splits rayfactory eval over Ray actors; eval_tasks "
+            f"(in {where('eval_tasks')}) scores on the training run's rank 0. Remove eval_num_workers from the "
+            "training config.", key="eval_num_workers",
+        )
     if run.training.values.get("eval_strategy", "no") == "no":
         raise ConfigError(
             f"eval_tasks in {where('eval_tasks')} runs at each evaluation, but eval_strategy is no. Set eval_strategy: "

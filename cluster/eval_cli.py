@@ -5,7 +5,8 @@ template, infer_backend) as chat reads them, plus ``task``, ``n_shot``, ``batch_
 ``save_dir``. The tasks are the harness's (mmlu, hellaswag, ... where their data can be reached),
 RayFactory's own offline ones (rf_arith_mc, rf_arith_gen) and any in ``task_dir``. Prints the
 harness's results table; with ``save_dir``, writes results.json and each task's samples there.
-Runs in this process, on the configured engine: no Ray.
+Runs in this process, on the configured engine, without Ray; with ``eval_num_workers`` above 1, on
+that many Ray actors, which split each task's questions (fabric/evaluation.py).
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ def run_eval(args: argparse.Namespace) -> int:
     logging.getLogger("lm_eval.api.task").addFilter(lambda record: "Custom kwargs" not in record.getMessage())
     from lm_eval.utils import make_table
 
-    from stages.inference.evaluation import check_tasks, evaluate, task_manager
+    from stages.inference.evaluation import check_tasks, task_manager
 
     manager = task_manager(cfg.evaluation)
     names = check_tasks(cfg.evaluation, manager)  # a wrong name is named before the model loads
@@ -41,7 +42,7 @@ def run_eval(args: argparse.Namespace) -> int:
     adapters = ", ".join(spec.adapters) or "none"
     print(f"rayfactory eval: {spec.model.model_name_or_path} + adapters [{adapters}] on {', '.join(names)} "
           f"({cfg.inference.infer_backend} engine, template {cfg.data.template or 'the tokenizer default'})", flush=True)
-    results = evaluate(spec, cfg.evaluation, manager)
+    results = _evaluate(cfg, spec, manager)
     print(make_table(results))
     if "groups" in results:
         print(make_table(results, "groups"))
@@ -49,6 +50,23 @@ def run_eval(args: argparse.Namespace) -> int:
         for path in save_results(results, cfg.evaluation.save_dir):
             print(f"wrote {path}")
     return 0
+
+
+def _evaluate(cfg: RunConfig, spec, manager) -> dict:
+    """In this process, or over eval_num_workers Ray actors (a local Ray, or ray_address's cluster)."""
+    from stages.inference.evaluation import evaluate
+
+    if cfg.evaluation.eval_num_workers == 1:
+        return evaluate(spec, cfg.evaluation, manager)
+    from fabric.evaluation import evaluate_on_ray
+    from fabric.ray_session import connect, shutdown, started_local_ray
+
+    connect(cfg.ray)
+    try:
+        return evaluate_on_ray(spec, cfg.evaluation, cfg.ray.resources_per_worker)
+    finally:
+        if started_local_ray():
+            shutdown()
 
 
 def check_eval_request(cfg: RunConfig) -> None:

@@ -37,6 +37,9 @@ class EvaluationArguments:
     # off scores the plain text, as base-model benchmarks are reported
     apply_chat_template: bool = False
     eval_limit: Optional[float] = None  # the first N questions of each task (a fraction below 1: that share)
+    # rayfactory eval: Ray actors that split each task's questions, one model each (resources_per_worker
+    # each); 1 evaluates in the command's own process, without Ray
+    eval_num_workers: int = 1
     # harness tasks scored at every evaluation of a pt / sft / dpo / kto run (eval_strategy, eval_steps),
     # logged as eval_tasks/<task>/<metric> beside eval_loss; the keys above (n_shot, eval_limit, ...) apply
     eval_tasks: Optional[str] = None
@@ -48,6 +51,8 @@ class EvaluationArguments:
             raise ArgumentError("batch_size", f"batch_size must be at least 1, got {self.batch_size}.")
         if self.lang not in LF_LANGUAGES:
             raise ArgumentError("lang", f"lang is en or zh (LLaMA-Factory's values), got {self.lang!r}.")
+        if self.eval_num_workers < 1:
+            raise ArgumentError("eval_num_workers", f"eval_num_workers must be at least 1, got {self.eval_num_workers}.")
         if self.eval_limit is not None and self.eval_limit <= 0:
             raise ArgumentError("eval_limit", f"eval_limit must be positive, got {self.eval_limit}.")
 

@@ -68,9 +68,12 @@ def check_tasks(args: EvaluationArguments, manager) -> list[str]:
     return names
 
 
-def evaluate(spec: InferenceSpec, args: EvaluationArguments, manager=None, chat=None) -> dict:
+def evaluate(spec: InferenceSpec, args: EvaluationArguments, manager=None, chat=None, rank: int = 0,
+             world_size: int = 1) -> dict | None:
     """The harness's results dict (``results``, ``configs``, ``n-shot``, ``samples`` ...) for the
-    configured tasks. ``chat``: a ChatModel already loaded (else one is built from ``spec``)."""
+    configured tasks. ``chat``: a ChatModel already loaded (else one is built from ``spec``).
+    ``rank`` / ``world_size``: one member of a torch.distributed group that splits the questions;
+    rank 0 returns the results of all, the others None."""
     from lm_eval import simple_evaluate
 
     from .chat_model import ChatModel
@@ -81,7 +84,8 @@ def evaluate(spec: InferenceSpec, args: EvaluationArguments, manager=None, chat=
     own = chat is None
     chat = chat or ChatModel(spec)
     try:
-        model = HarnessModel(chat, batch_size=args.batch_size, chat_prompts=args.apply_chat_template)
+        model = HarnessModel(chat, batch_size=args.batch_size, chat_prompts=args.apply_chat_template, rank=rank,
+                             world_size=world_size)
         return simple_evaluate(
             model=model, tasks=names, num_fewshot=args.n_shot, batch_size=args.batch_size, limit=args.eval_limit,
             task_manager=manager, apply_chat_template=args.apply_chat_template, log_samples=True,

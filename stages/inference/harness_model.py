@@ -34,10 +34,14 @@ class HarnessModel(TemplateLM):
 
     backend = "causal"
 
-    def __init__(self, chat: ChatModel, batch_size: int = 4, chat_prompts: bool = False):
+    def __init__(self, chat: ChatModel, batch_size: int = 4, chat_prompts: bool = False, rank: int = 0,
+                 world_size: int = 1):
         """``chat_prompts``: the harness renders conversations (apply_chat_template), so a reply also
-        ends at the template's end-of-turn tokens; plain text ends at end-of-text only, as under hf."""
+        ends at the template's end-of-turn tokens; plain text ends at end-of-text only, as under hf.
+        ``rank`` / ``world_size``: this process's share of the questions, the harness splitting them
+        over the members of a torch.distributed group (fabric/evaluation.py makes one of Ray actors)."""
         super().__init__()
+        self._rank, self._world_size = rank, world_size
         self.chat = chat
         self.tokenizer = chat.tokenizer
         self.batch_size = batch_size
@@ -111,6 +115,28 @@ class HarnessModel(TemplateLM):
         text = self.tokenizer.decode(ids, skip_special_tokens=False)
         self._rendered[text] = tuple(ids)
         return text
+
+    # --- several processes: what the harness gathers with (torch.distributed, gloo) -------------
+
+    def all_gather(self, tensor):
+        import torch
+        import torch.distributed as dist
+
+        parts = [torch.zeros_like(tensor) for _ in range(self.world_size)]
+        dist.all_gather(parts, tensor)
+        return torch.stack(parts)
+
+    def gather_object(self, obj, dst: int = 0):
+        import torch.distributed as dist
+
+        gathered = [None] * self.world_size if self.rank == dst else None
+        dist.gather_object(obj, gathered, dst=dst)
+        return gathered
+
+    def barrier(self) -> None:
+        import torch.distributed as dist
+
+        dist.barrier()
 
     # --- scoring ----------------------------------------------------------------------------
 

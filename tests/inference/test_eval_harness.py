@@ -190,6 +190,7 @@ def test_a_task_dir_of_the_users_own_is_found(tmp_path):
     ({"stage": "rm", "dataset": "arith_pref"}, ["Stage rm trains a reward model", "rayfactory eval"]),
     ({"eval_strategy": "no"}, ["eval_strategy is no"]),
     ({"deepspeed": "configs/deepspeed/ds_z3_config.json"}, ["ZeRO-3", "ZeRO-2"]),
+    ({"eval_num_workers": 2}, ["eval_num_workers", "rank 0"]),
 ])
 def test_eval_tasks_during_training_refuses_what_it_cannot_score(tmp_path, keys, words):
     """eval_tasks needs a generating model on one worker, and evaluations to run at."""
@@ -202,7 +203,7 @@ def test_eval_tasks_during_training_refuses_what_it_cannot_score(tmp_path, keys,
         config["deepspeed"] = f"{REPO_ROOT}/{keys['deepspeed']}"
     with pytest.raises(ConfigError) as caught:
         load_config(config)
-    assert caught.value.key == "eval_tasks"
+    assert caught.value.key == ("eval_num_workers" if "eval_num_workers" in keys else "eval_tasks")
     for word in words:
         assert word in str(caught.value)
-    assert load_config({**config, "eval_tasks": None, "deepspeed": None}).evaluation.eval_tasks is None
+    assert load_config({**config, "eval_tasks": None, "deepspeed": None, "eval_num_workers": 1}).evaluation.eval_tasks is None
