@@ -19,6 +19,8 @@ IGNORED_KEYS = {
     "data_shared_file_system": "Ray Data tokenizes once for all nodes",
     "print_param_status": "the trainable-parameter count is always logged",
     "hf_hub_token": "set HF_TOKEN in the environment instead (secrets stay out of saved configs)",
+    # llamafactory-cli eval's: the harness's datasets library reuses what it has downloaded
+    "download_mode": "lm-evaluation-harness reuses the task data it has downloaded (HF_DATASETS_CACHE)",
     # LLaMA-Factory's export_quantization_bit is GPTQ, calibrated on a dataset; ours is bitsandbytes
     "export_quantization_dataset": "export_quantization_bit saves bitsandbytes weights, which need no calibration data",
     "export_quantization_nsamples": "export_quantization_bit saves bitsandbytes weights, which need no calibration data",
@@ -77,6 +79,10 @@ def apply_lf_compat(values: dict[str, Any], origin: dict[str, str]) -> list[str]
         notes.append(f"export_quantization_bit {values['export_quantization_bit']} saves bitsandbytes "
                      f"{'int8' if values['export_quantization_bit'] == 8 else 'nf4'} weights (LLaMA-Factory's is GPTQ, "
                      "which needs a GPU): transformers loads them back as they are.")
+    if values.get("template") == "fewshot":  # LLaMA-Factory's plain-text format for llamafactory-cli eval
+        values.pop("template")
+        notes.append(f"template: fewshot from {origin['template']} is LLaMA-Factory's plain-text eval format: "
+                     "rayfactory eval scores plain text unless apply_chat_template is true, so no template is set.")
     if values.get("finetuning_type") == "qlora":  # LLaMA-Factory spells QLoRA as lora + quantization_bit
         values["finetuning_type"] = "lora"
         if values.get("quantization_bit") is None:

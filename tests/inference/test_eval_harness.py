@@ -209,3 +209,17 @@ def test_eval_tasks_during_training_refuses_what_it_cannot_score(tmp_path, keys,
     for word in words:
         assert word in str(caught.value)
     assert load_config({**config, "eval_tasks": None, "deepspeed": None, "eval_num_workers": 1}).evaluation.eval_tasks is None
+
+
+def test_a_llamafactory_eval_config_loads_as_it_is(tmp_path):
+    """LLaMA-Factory's examples/train_lora/llama3_lora_eval.yaml, keys as written: its task name is the
+    harness's mmlu, download_mode is a note, the rest are our keys."""
+    from cluster.config import load_config
+
+    lf = {"model_name_or_path": BASE, "adapter_name_or_path": None, "template": "fewshot", "task": "mmlu_test",
+          "task_dir": None, "save_dir": str(tmp_path / "eval"), "lang": "en", "n_shot": 5, "batch_size": 4,
+          "download_mode": "reuse_dataset_if_exists", "finetuning_type": "lora"}
+    cfg = load_config(lf, purpose="infer")
+    assert cfg.evaluation.task_names() == ["mmlu"] and cfg.evaluation.n_shot == 5
+    assert any("download_mode" in note for note in cfg.notes) and any("fewshot" in note for note in cfg.notes)
+    assert cfg.data.template is None and not cfg.evaluation.apply_chat_template
