@@ -111,7 +111,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     evaluate = _command(
         commands, "eval", "score a model on lm-evaluation-harness tasks (mmlu, ... or RayFactory's own)",
-        example=f"rayfactory eval configs/eval.yaml {QUICKSTART_ADAPTER}")
+        example=f"rayfactory eval configs/inference/eval.yaml {QUICKSTART_ADAPTER}")
     evaluate.add_argument("config", help="YAML with the model keys (as for chat) and task, n_shot, batch_size, save_dir")
     evaluate.add_argument("overrides", nargs="*", default=[], metavar="key=value",
                           help="override config keys, e.g. task=rf_arith_gen n_shot=0")
