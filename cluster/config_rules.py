@@ -27,6 +27,7 @@ from .paths import resolve_paths
 from .rl_checks import check_rl
 from .training_checks import (
     check_planned_work,
+    loaded_zero_stage,
     check_streaming,
     check_template,
     check_training_options,
@@ -200,8 +201,7 @@ def _eval_tasks(run, where: Where, purpose: str) -> None:
             f"eval_tasks in {where('eval_tasks')} runs at each evaluation, but eval_strategy is no. Set eval_strategy: "
             "steps with eval_steps (and an eval_dataset or val_size), or remove eval_tasks."
         )
-    ds = run.training.values.get("deepspeed")
-    if isinstance(ds, dict) and ds.get("zero_optimization", {}).get("stage") == 3:
+    if loaded_zero_stage(run.training.values) == 3:
         raise ConfigError(
             f"eval_tasks in {where('eval_tasks')} scores the model on one worker, but the DeepSpeed ZeRO-3 config from "
             f"{where('deepspeed')} splits its weights over all of them. Use a ZeRO-2 config, or remove eval_tasks and "

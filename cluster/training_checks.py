@@ -132,6 +132,13 @@ def resolve_explicit_checkpoint(training: dict, where: typing.Callable[[str], st
         raise ConfigError(str(exc)) from None
 
 
+def loaded_zero_stage(training: dict) -> int | None:
+    """The ZeRO stage of the config's DeepSpeed JSON once read_deepspeed_config has loaded it (None
+    without one, or while it is still a path)."""
+    ds_config = training.get("deepspeed")
+    return ds_config.get("zero_optimization", {}).get("stage") if isinstance(ds_config, dict) else None
+
+
 def read_deepspeed_config(training: dict, model, tuning, where: typing.Callable[[str], str]) -> None:
     """``deepspeed``: a file path becomes its JSON (read here: workers on other nodes may not have
     the file), and what ZeRO-3 cannot partition is refused."""
@@ -147,8 +154,7 @@ def read_deepspeed_config(training: dict, model, tuning, where: typing.Callable[
                 training["deepspeed"] = json.load(f)
         except (json.JSONDecodeError, UnicodeDecodeError) as exc:
             raise ConfigError(f"deepspeed config file {ds} is not valid JSON ({exc}). Fix the file.") from None
-    ds_config = training.get("deepspeed")
-    zero_stage = ds_config.get("zero_optimization", {}).get("stage") if isinstance(ds_config, dict) else None
+    zero_stage = loaded_zero_stage(training)
     if model.quantization_bit and zero_stage == 3:
         raise ConfigError(
             f"quantization_bit {model.quantization_bit} (QLoRA) cannot be combined with the DeepSpeed ZeRO-3 config "
